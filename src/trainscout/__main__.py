@@ -1,0 +1,3 @@
+from trainscout.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from trainscout.agent.main import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""Node agent process: `python -m trainscout.agent` (started by `trainscout run`, one per node).
+
+It lives outside the training processes, so it keeps working when ranks hang, hold the GIL or die.
+Every tick it reads each local rank's channel; every interval it sends one NodeDigest. It answers the
+coordinator's commands: stack dumps (from outside the stuck process), record pulls, abort.
+If the coordinator is gone, sends are dropped and training is untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from trainscout.agent import stacks
+from trainscout.agent.rank_view import RankView
+from trainscout.channel.layout import list_channels
+from trainscout.wire.endpoints import AgentEndpoint
+from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
+
+
+class Agent:
+    def __init__(self, run_id: str, coordinator: str, secret: bytes, node_id: str,
+                 interval_s: float = 0.5, tick_s: float = 0.1, stack_method: str = "py-spy") -> None:
+        self.run_id = run_id
+        self.node_id = node_id
+        self.host = socket.gethostname()
+        self.interval_s = interval_s
+        self.tick_s = tick_s
+        self.stack_method = stack_method
+        self.endpoint = AgentEndpoint(coordinator, secret, node_id)
+        self.views: dict[int, RankView] = {}
+        self.number = 0
+        self.stop = threading.Event()
+        self._send_lock = threading.Lock()
+
+    def send(self, msg) -> bool:
+        with self._send_lock:  # zmq sockets are not thread-safe; stack threads send too
+            return self.endpoint.send(msg)
+
+    def discover(self) -> None:
+        for rank, path in list_channels(self.run_id).items():
+            view = self.views.get(rank)
+            if view is not None and view.reader.path == path and view.pid and not _restarted(view):
+                continue
+            try:
+                self.views[rank] = RankView(self.run_id, rank, path)
+            except (OSError, ValueError):
+                continue  # the probe is still creating it; next discovery will catch it
+
+    def digest(self) -> NodeDigest:
+        self.number += 1
+        ranks = [s for s in (v.state() for v in self.views.values()) if s is not None]
+        return NodeDigest(node_id=self.node_id, host=self.host, number=self.number, ranks=ranks)
+
+    def handle(self, cmd: Command) -> None:
+        if cmd.kind == "dump_stacks":
+            for rank in cmd.ranks:
+                view = self.views.get(rank)
+                if view is not None and view.pid:
+                    threading.Thread(target=self._dump_stack, args=(cmd.request_id, view), daemon=True).start()
+        elif cmd.kind == "fetch_records":
+            for rank in cmd.ranks:
+                view = self.views.get(rank)
+                if view is not None:
+                    self.send(RecordsReport(node_id=self.node_id, request_id=cmd.request_id, rank=rank,
+                                            pg=cmd.pg, records=view.records(cmd.pg, cmd.seq_from, cmd.seq_to)))
+        elif cmd.kind == "abort":
+            threading.Thread(target=self._abort, daemon=True).start()
+
+    def _dump_stack(self, request_id: int, view: RankView) -> None:
+        method, text = stacks.capture(view.pid, self.run_id, view.rank, prefer=self.stack_method)
+        self.send(StackReport(node_id=self.node_id, request_id=request_id, rank=view.rank, pid=view.pid,
+                              method=method, text=text))
+
+    def _abort(self) -> None:
+        pids = [v.pid for v in self.views.values() if v.pid and v.exit is None]
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + wait
+            while wait and time.monotonic() < deadline and any(_alive(p) for p in pids):
+                time.sleep(0.1)
+
+    def run(self) -> None:
+        self.send(Hello(node_id=self.node_id, host=self.host, agent_pid=os.getpid()))
+        next_discover = 0.0
+        next_digest = 0.0
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if now >= next_discover:
+                self.discover()
+                next_discover = now + 1.0
+            for view in list(self.views.values()):
+                try:
+                    view.refresh()
+                except (OSError, ValueError):
+                    pass
+            if now >= next_digest:
+                self.send(self.digest())
+                next_digest = now + self.interval_s
+            cmd = self.endpoint.recv_command(int(self.tick_s * 1000))
+            if cmd is not None:
+                self.handle(cmd)
+        self.finish()
+
+    def finish(self) -> None:
+        # Last look: exits that happened in the final moments must not be lost.
+        deadline = time.monotonic() + 1.0
+        self.discover()
+        while time.monotonic() < deadline:
+            for view in self.views.values():
+                try:
+                    view.refresh()
+                except (OSError, ValueError):
+                    pass
+            if all(v.exit is not None for v in self.views.values()):
+                break
+            time.sleep(0.1)
+        self.send(self.digest())
+        self.send(Goodbye(node_id=self.node_id, reason="agent stopping"))
+        time.sleep(0.2)  # let the last frames leave before the socket closes
+        self.endpoint.close()
+
+
+def _restarted(view: RankView) -> bool:
+    try:
+        h = view.reader.header()
+        return int(h["pid"]) != view.pid
+    except Exception:
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainscout.agent", description=__doc__)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--coordinator", required=True, help="tcp://HOST:PORT of the coordinator")
+    p.add_argument("--node-id", default=socket.gethostname())
+    p.add_argument("--interval", type=float, default=0.5)
+    p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default="py-spy")
+    args = p.parse_args(argv)
+    secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
+    agent = Agent(args.run_id, args.coordinator, secret, args.node_id, interval_s=args.interval,
+                  stack_method=args.stack_method)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

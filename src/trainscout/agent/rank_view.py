@@ -1,0 +1,180 @@
+"""What the agent knows about one local rank: its channel, its process, its protocol state per group."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+
+import psutil
+
+from trainscout.channel.layout import pg_table_path
+from trainscout.channel.reader import ChannelReader
+from trainscout.wire.messages import ANCHOR_EVERY, CollectiveRecord, PgState, RankExit, RankState
+
+RECENT_IN_DIGEST = 4
+KEEP_RECORDS = 4096
+
+
+class PgTrack:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.desc = ""
+        self.members: list[int] = []
+        self.seq = 0
+        self.rolling = 0
+        self.changed_ns = time.monotonic_ns()
+        self.anchors: deque[tuple[int, int]] = deque(maxlen=8)
+        self.records: deque[CollectiveRecord] = deque(maxlen=KEEP_RECORDS)
+
+
+class RankView:
+    def __init__(self, run_id: str, rank: int, path: str) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.reader = ChannelReader(path)
+        self.pgs: dict[str, PgTrack] = {}
+        self._index_to_name: dict[int, str] = {}
+        self._pg_table_version = -1
+        self._process: psutil.Process | None = None
+        self.pid = 0
+        self.exit: RankExit | None = None
+        self._exit_seen_ns = 0
+
+    def refresh(self) -> None:
+        if not self.reader.ready():
+            return
+        h = self.reader.header()
+        if self.pid != int(h["pid"]):
+            self.pid = int(h["pid"])
+            try:
+                self._process = psutil.Process(self.pid)
+                self._process.cpu_percent(None)  # prime: the next call reports usage since now
+            except psutil.Error:
+                self._process = None
+        if int(h["pg_table_version"]) != self._pg_table_version:
+            self._load_pg_table(int(h["pg_table_version"]))
+        for rec in self.reader.new_records():
+            self._ingest(rec)
+        if self.exit is None:
+            self._check_exit(h)
+
+    def _load_pg_table(self, version: int) -> None:
+        try:
+            with open(pg_table_path(self.run_id, self.rank)) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            return
+        self._pg_table_version = version
+        self._index_to_name = {int(i): name for name, i in doc.get("index", {}).items()}
+        for name, info in doc.get("groups", {}).items():
+            track = self.pgs.setdefault(name, PgTrack(name))
+            track.desc = info.get("desc", "")
+            track.members = [int(r) for r in info.get("members", [])]
+
+    def _ingest(self, rec) -> None:
+        idx = int(rec["pg_index"])
+        name = self._index_to_name.get(idx)
+        if name is None:
+            self._load_pg_table(self._pg_table_version)
+            name = self._index_to_name.get(idx, f"#{idx}")
+        track = self.pgs.setdefault(name, PgTrack(name))
+        record = CollectiveRecord(
+            seq=int(rec["seq"]),
+            op=rec["op"].decode(errors="replace"),
+            desc=rec["desc"].decode(errors="replace"),
+            entry_hash=int(rec["entry_hash"]),
+            rolling_hash=int(rec["rolling_hash"]),
+            wall_ns=int(rec["wall_ns"]),
+            step=int(rec["step"]),
+        )
+        track.records.append(record)
+        track.seq = record.seq
+        track.rolling = record.rolling_hash
+        track.changed_ns = time.monotonic_ns()
+        if record.seq % ANCHOR_EVERY == 0:
+            track.anchors.append((record.seq, record.rolling_hash))
+
+    def _check_exit(self, h) -> None:
+        alive, zombie_status = _process_state(self._process)
+        if int(h["exit_state"]):
+            if alive and zombie_status is None:
+                return  # recorded but still shutting down; report once it is gone
+            code = int(h["exit_code"])
+            sig = int(h["exit_signal"]) or None
+            self.exit = RankExit(how=h["exit_how"].decode(errors="replace") or "exit",
+                                 code=None if code == -1 else code, signal=sig,
+                                 message=h["exit_text"].decode(errors="replace"), step=int(h["step"]), age_s=0.0)
+        elif not alive:
+            code, sig = (None, None)
+            if zombie_status is not None:
+                code, sig = zombie_status
+            self.exit = RankExit(how="signal" if sig else "vanished", code=code, signal=sig,
+                                 message="process ended without an exit record (killed or crashed hard)",
+                                 step=int(h["step"]), age_s=0.0)
+        else:
+            return
+        self._exit_seen_ns = time.monotonic_ns()
+
+    def state(self) -> RankState | None:
+        if not self.reader.ready():
+            return None
+        h = self.reader.header()
+        now = time.monotonic_ns()
+        progress_ns = max(int(h["progress_ns"]), int(h["step_ns"]))
+        cpu = 0.0
+        if self._process is not None and self.exit is None:
+            try:
+                cpu = self._process.cpu_percent(None)
+            except psutil.Error:
+                cpu = 0.0
+        exit_ = None
+        if self.exit is not None:
+            exit_ = RankExit(how=self.exit.how, code=self.exit.code, signal=self.exit.signal,
+                             message=self.exit.message, step=self.exit.step,
+                             age_s=(now - self._exit_seen_ns) / 1e9)
+        pgs = [
+            PgState(name=t.name, desc=t.desc, members=t.members, seq=t.seq, rolling_hash=t.rolling,
+                    anchors=list(t.anchors), recent=list(t.records)[-RECENT_IN_DIGEST:],
+                    seq_age_s=(now - t.changed_ns) / 1e9)
+            for t in self.pgs.values()
+        ]
+        errors = [h["error_text"].decode(errors="replace")] if h["error_text"] else []
+        return RankState(
+            rank=int(h["rank"]), local_rank=int(h["local_rank"]), world_size=int(h["world_size"]),
+            pid=int(h["pid"]), alive=self.exit is None, step=int(h["step"]),
+            heartbeat_age_s=(now - int(h["heartbeat_ns"])) / 1e9,
+            progress_age_s=(now - progress_ns) / 1e9,
+            collectives=int(h["collectives"]), pgs=pgs, exit=exit_, cpu_percent=cpu,
+            probe_errors=errors, fr_available=bool(int(h["fr_available"])),
+        )
+
+    def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:
+        track = self.pgs.get(pg)
+        if track is None:
+            return []
+        return [r for r in track.records if seq_from <= r.seq <= seq_to]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _process_state(process: psutil.Process | None) -> tuple[bool, tuple[int | None, int | None] | None]:
+    """(alive, zombie exit (code, signal) or None). A zombie is dead but not yet reaped by torchrun."""
+    if process is None:
+        return False, None
+    try:
+        if process.status() != psutil.STATUS_ZOMBIE:
+            return True, None
+    except psutil.Error:
+        return False, None
+    try:
+        with open(f"/proc/{process.pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        status = int(fields[-1])  # exit_code field (Linux >= 3.5), in waitpid() encoding
+    except (OSError, ValueError, IndexError):
+        return False, (None, None)
+    if status & 0x7F:
+        return False, (None, status & 0x7F)
+    return False, ((status >> 8) & 0xFF, None)

@@ -1,0 +1,1 @@
+"""Per-rank shared-memory channel: the probe writes, the node agent reads (see layout.py)."""

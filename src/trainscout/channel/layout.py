@@ -1,0 +1,123 @@
+"""Layout of the per-rank shared-memory channel in /dev/shm, named by run id and global rank.
+
+One file = a header record followed by a fixed-size ring of fixed-size collective records, both numpy
+structured arrays over one mmap. The probe (in the rank process) is the only writer; the node agent
+reads. Each header field has exactly one writing thread, so a single 8-byte aligned store is what a
+reader sees (no tearing on the platforms torch supports). Ring slots carry a seqlock word: the writer
+makes it odd before filling a slot and even after, and a reader keeps a slot only if it read the same
+even value before and after copying it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+MAGIC = 0x5453434F55540001  # "TSCOUT" + layout version 1
+RING_SLOTS = 4096
+DESC_BYTES = 120
+TEXT_BYTES = 480
+SHM_DIR = "/dev/shm"
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("pid", "<i8"),
+        ("rank", "<i8"),
+        ("local_rank", "<i8"),
+        ("world_size", "<i8"),
+        ("start_wall_ns", "<i8"),
+        # written by the publisher thread
+        ("heartbeat_ns", "<i8"),  # CLOCK_MONOTONIC, shared by all processes of one host
+        ("collectives", "<i8"),  # total collectives seen
+        ("progress_ns", "<i8"),  # monotonic time the collective count last changed
+        ("ring_head", "<i8"),  # records ever written; slot = (n - 1) % RING_SLOTS
+        ("pg_table_version", "<i8"),  # bumped when the sidecar pg table file changes
+        ("fr_available", "<i8"),
+        ("disabled_checks", "<i8"),  # bitmask of checks that failed and were turned off (fail open)
+        ("dropped", "<i8"),  # records the Flight Recorder overwrote before the probe read them
+        # written by the training thread (optimizer step hook)
+        ("step", "<i8"),
+        ("step_ns", "<i8"),
+        # written once, at exit, by whichever thread sees it
+        ("exit_state", "<i8"),  # 0 running, 1 exit recorded
+        ("exit_code", "<i8"),
+        ("exit_signal", "<i8"),
+        ("exit_ns", "<i8"),
+        ("exit_how", "S16"),
+        ("exit_text", f"S{TEXT_BYTES}"),
+        ("error_text", f"S{TEXT_BYTES}"),  # last internal probe error (it then disabled that check)
+    ],
+    align=True,
+)
+
+RECORD_DTYPE = np.dtype(
+    [
+        ("lock", "<u8"),
+        ("pg_index", "<i8"),
+        ("seq", "<i8"),
+        ("entry_hash", "<u8"),
+        ("rolling_hash", "<u8"),
+        ("wall_ns", "<i8"),
+        ("step", "<i8"),
+        ("op", "S24"),
+        ("desc", f"S{DESC_BYTES}"),
+    ],
+    align=True,
+)
+
+HEADER_BYTES = (HEADER_DTYPE.itemsize + 63) // 64 * 64
+TOTAL_BYTES = HEADER_BYTES + RING_SLOTS * RECORD_DTYPE.itemsize
+
+
+def channel_prefix(run_id: str) -> str:
+    return f"trainscout-{run_id}-"
+
+
+def channel_path(run_id: str, rank: int) -> str:
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.ch")
+
+
+def pg_table_path(run_id: str, rank: int) -> str:
+    """Sidecar JSON with the rank's process groups (name, desc, members); rarely rewritten."""
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.pgs.json")
+
+
+def stack_path(run_id: str, rank: int) -> str:
+    """Where the probe's faulthandler writes a stack dump when the agent signals it."""
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.stack")
+
+
+def list_channels(run_id: str) -> dict[int, str]:
+    prefix = channel_prefix(run_id)
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return found
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".ch"):
+            try:
+                found[int(name[len(prefix) : -3])] = os.path.join(SHM_DIR, name)
+            except ValueError:
+                continue
+    return found
+
+
+def remove_run_files(run_id: str) -> int:
+    """Delete every shared-memory file of a run; returns how many were removed."""
+    prefix = channel_prefix(run_id)
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed

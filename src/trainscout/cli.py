@@ -1,0 +1,171 @@
+"""Command line: `trainscout run | demo | report`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trainscout import __version__
+
+FINDING_HELP = """\
+findings (printed live, saved to runs/<run-id>/findings.jsonl and summary.md):
+  hang        some ranks wait in a collective that the named rank(s) never entered
+  desync      the named rank issued a different collective (op, shape, dtype, reduce op or
+              process group) than its peers at the same sequence number
+  crash       the named rank died first (exception, signal); later failures are listed as collateral
+  early_exit  the named rank exited cleanly while its peers still had work
+  stall       the whole job stopped at the same point for a long time; nobody to blame
+"""
+
+RUN_EXAMPLE = """\
+examples:
+  trainscout run -- torchrun --nproc-per-node 8 train.py --lr 3e-4
+  trainscout run --inject hang:rank=2:step=20 -- torchrun --nproc-per-node 4 train.py
+  # two nodes: the same secret everywhere, node 0 serves the coordinator
+  export TRAINSCOUT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')
+  trainscout run --coordinator-addr 10.0.0.1:29600 -- torchrun --nnodes 2 --node-rank 0 ...
+  trainscout run --coordinator-addr 10.0.0.1:29600 --node-rank 1 -- torchrun --nnodes 2 --node-rank 1 ...
+"""
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", default="runs", help="folder for runs/<run-id>/ (default: ./runs)")
+    p.add_argument("--run-id", help="name of this run (default: date-time + random)")
+    p.add_argument("--inject", default="", metavar="SPEC",
+                   help="inject a fault, e.g. hang:rank=2:step=20 (see `trainscout demo --help`)")
+    p.add_argument("--hang-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds without progress on any rank before a hang is judged (default 5)")
+    p.add_argument("--stall-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a job-wide pause may last before a stall is reported (default 300)")
+    p.add_argument("--abort-on", default="", metavar="KINDS",
+                   help="comma-separated finding kinds that stop the training job (e.g. hang,desync)")
+    p.add_argument("--coordinator-addr", metavar="HOST:PORT",
+                   help="multi-node: address of the coordinator; node 0 serves it, other nodes connect")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="multi-node: this node's rank (default: read from the launcher's --node-rank, else 0)")
+    p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default="py-spy",
+                   help="how stacks are taken from outside a stuck rank (falls back to faulthandler)")
+    p.add_argument("--console", choices=["auto", "rich", "plain"], default="auto",
+                   help="finding output style (auto: rich on a terminal, plain lines otherwise)")
+
+
+def _launcher_node_rank(command: list[str]) -> int | None:
+    for i, arg in enumerate(command):
+        for flag in ("--node-rank", "--node_rank"):
+            if arg == flag and i + 1 < len(command):
+                return int(command[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return None
+
+
+def _run(args, command: list[str]) -> int:
+    from trainscout.faults.spec import parse_faults
+    from trainscout.runner.supervisor import RunOptions, Supervisor
+
+    if not command:
+        print("trainscout run: give the launch command after --, e.g. "
+              "trainscout run -- torchrun --nproc-per-node 4 train.py", file=sys.stderr)
+        return 2
+    if args.inject:
+        try:
+            parse_faults(args.inject)
+        except ValueError as exc:
+            print(f"trainscout: bad --inject: {exc}", file=sys.stderr)
+            return 2
+    if args.hang_timeout <= 0 or args.stall_timeout <= 0:
+        print("trainscout: --hang-timeout and --stall-timeout must be positive", file=sys.stderr)
+        return 2
+    from trainscout.findings import KINDS
+
+    abort_on = [k for k in args.abort_on.split(",") if k]
+    bad = [k for k in abort_on if k not in KINDS]
+    if bad:
+        print(f"trainscout: unknown kind(s) in --abort-on: {','.join(bad)} (kinds: {', '.join(KINDS)})",
+              file=sys.stderr)
+        return 2
+    node_rank = args.node_rank if args.node_rank is not None else (_launcher_node_rank(command) or 0)
+    if args.coordinator_addr and ":" not in args.coordinator_addr:
+        print("trainscout: --coordinator-addr must be HOST:PORT", file=sys.stderr)
+        return 2
+    if node_rank > 0 and not args.coordinator_addr:
+        print("trainscout: nodes other than 0 need --coordinator-addr HOST:PORT of node 0", file=sys.stderr)
+        return 2
+    opts = RunOptions(
+        command=command, run_root=args.run_dir, run_id=args.run_id, inject=args.inject,
+        hang_timeout_s=args.hang_timeout, stall_timeout_s=args.stall_timeout, abort_on=abort_on,
+        coordinator_addr=args.coordinator_addr, serve_coordinator=node_rank == 0,
+        node_id=f"node{node_rank}", stack_method=args.stack_method, console=args.console,
+    )
+    return Supervisor(opts).run()
+
+
+def _demo_command(args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+            "--master-port", str(args.master_port), "-m", "trainscout.demo.train", "--steps", str(args.steps)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="trainscout",
+        description="Names the rank, host or process that broke a distributed PyTorch job, while it runs. "
+                    "Attach it to an unmodified launch command with `trainscout run -- torchrun ...`.",
+        epilog=FINDING_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"trainscout {__version__}")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
+    run = sub.add_parser("run", help="monitor a training launch command given after --",
+                         description="Run a launcher (torchrun, python -m torch.distributed.run) under "
+                                     "trainscout. The training script needs no change.",
+                         epilog=RUN_EXAMPLE + "\n" + FINDING_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_run_options(run)
+    demo = sub.add_parser("demo", help="4 CPU ranks, a tiny GPT, one injected fault, localized live",
+                          description="A 4-rank CPU (gloo) DDP job training a tiny GPT under trainscout, with one "
+                                      "injected fault. Faults: hang, gil, crash, exit, desync, slow, pause, none.",
+                          epilog="fault parameters: crash how=kill|segv|exception; exit code=N; "
+                                 "desync what=shape|dtype|op|reduce|pg; slow ms=N; pause seconds=N\n\n" + FINDING_HELP,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_argument("--fault", default="hang", help="fault kind to inject, or none (default hang)")
+    demo.add_argument("--rank", default="2", help="rank to fault, or all (default 2)")
+    demo.add_argument("--step", type=int, default=20, help="optimizer step at which it fires (default 20)")
+    demo.add_argument("--param", action="append", default=[], metavar="K=V", help="fault parameter, e.g. what=reduce")
+    demo.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    demo.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    demo.add_argument("--master-port", type=int, default=29512)
+    demo.add_argument("--keep-running", action="store_true", help="do not stop the job after the finding")
+    _add_run_options(demo)
+    report = sub.add_parser("report", help="print the summary of a finished run")
+    report.add_argument("run_dir", help="runs/<run-id>")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "run":
+        return _run(args, command)
+    if args.cmd == "demo":
+        if command:
+            parser.error("demo takes no command after --")
+        if args.fault != "none":
+            spec = f"{args.fault}:rank={args.rank}:step={args.step}" + "".join(f":{p}" for p in args.param)
+            args.inject = args.inject or spec
+        if not args.abort_on and not args.keep_running:
+            args.abort_on = "hang,desync,early_exit,stall"
+        return _run(args, _demo_command(args))
+    if args.cmd == "report":
+        path = os.path.join(args.run_dir, "summary.md")
+        if not os.path.exists(path):
+            print(f"trainscout: no summary.md in {args.run_dir}", file=sys.stderr)
+            return 2
+        with open(path) as fh:
+            sys.stdout.write(fh.read())
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from trainscout.coordinator.main import main
+
+sys.exit(main())

@@ -1,0 +1,299 @@
+"""Coordinator process: `python -m trainscout.coordinator` (started by `trainscout run` on node 0).
+
+It receives node digests from agents, keeps the latest state of every rank, runs the detectors a few
+times a second, gathers the evidence a finding needs (stacks taken from outside the culprit, records
+of the first deviating collective) and emits each finding once to the console, findings.jsonl and
+events.jsonl. Frames that fail authentication or decoding are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from trainscout.detectors.desync import DesyncDetector, FetchRequest
+from trainscout.detectors.exits import ExitDetector
+from trainscout.detectors.observations import RankObs
+from trainscout.detectors.progress import HangDetector, Suspect
+from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, STALL, Finding
+from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
+from trainscout.wire.endpoints import CoordinatorEndpoint
+from trainscout.wire.messages import (
+    Command,
+    Goodbye,
+    Hello,
+    LauncherReport,
+    NodeDigest,
+    RecordsReport,
+    StackReport,
+)
+
+ROOT_KINDS = {HANG, DESYNC, CRASH, EARLY_EXIT, STALL}
+
+
+@dataclass
+class PendingStacks:
+    finding: Finding
+    waiting: set[int]
+    deadline: float
+
+
+@dataclass
+class PendingFetch:
+    request: FetchRequest
+    waiting: set[int]
+    deadline: float
+    records: dict = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, endpoint: CoordinatorEndpoint, run_dir: str, console: ConsoleSink, *,
+                 hang_timeout_s: float = 5.0, stall_timeout_s: float = 300.0, abort_on: set[str] | None = None,
+                 stack_timeout_s: float = 4.0, agent_silence_s: float = 5.0) -> None:
+        self.endpoint = endpoint
+        self.console = console
+        self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
+        self.hang = HangDetector(hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s)
+        self.desync = DesyncDetector()
+        self.exits = ExitDetector()
+        self.abort_on = abort_on or set()
+        self.stack_timeout_s = stack_timeout_s
+        self.agent_silence_s = agent_silence_s
+        self.ranks: dict[int, RankObs] = {}
+        self.rank_node: dict[int, bytes] = {}
+        self.nodes: dict[bytes, dict] = {}
+        self.launcher_codes: dict[int, int] = {}
+        self.launcher_done = False
+        self.emitted: set[tuple] = set()
+        self.findings: list[Finding] = []
+        self.pending_stacks: dict[int, PendingStacks] = {}
+        self.pending_fetch: dict[int, PendingFetch] = {}
+        self.request_ids = itertools.count(1)
+        self.aborting = False
+        self.root_found = False
+        self.stop = False
+
+    # ---- messages -------------------------------------------------------------------------
+    def handle(self, identity: bytes, msg, now: float) -> None:
+        node = self.nodes.setdefault(identity, {"last": now, "name": identity.decode(errors="replace"),
+                                                "lost": False, "gone": False})
+        node["last"] = now
+        if node["lost"]:
+            node["lost"] = False
+            self.console.info(f"agent {node['name']} is reporting again")
+        if isinstance(msg, NodeDigest):
+            node["host"] = msg.host
+            for st in msg.ranks:
+                self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
+                self.rank_node[st.rank] = identity
+                for err in st.probe_errors:
+                    self._probe_error(st.rank, err)
+        elif isinstance(msg, StackReport):
+            self._on_stack(msg, now)
+        elif isinstance(msg, RecordsReport):
+            self._on_records(msg, now)
+        elif isinstance(msg, LauncherReport):
+            self.launcher_done = True
+            for rank, code, _pid in msg.worker_exits:
+                self.launcher_codes[rank] = code
+            self.events.write("launcher_exit", exit_code=msg.exit_code, workers=msg.worker_exits)
+        elif isinstance(msg, Hello):
+            self.events.write("agent_hello", node=msg.node_id, host=msg.host, pid=msg.agent_pid)
+        elif isinstance(msg, Goodbye):
+            node["gone"] = True
+            self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
+
+    _seen_errors: set = set()
+
+    def _probe_error(self, rank: int, err: str) -> None:
+        if (rank, err) not in self._seen_errors:
+            self._seen_errors.add((rank, err))
+            self.console.warn(f"rank {rank}: {err}")
+            self.events.write("probe_error", rank=rank, error=err)
+
+    # ---- detection ------------------------------------------------------------------------
+    def detect(self, now: float) -> None:
+        if self.aborting:
+            self._flush_due(now)
+            return
+        findings, fetches = self.desync.update(self.ranks)
+        for f in findings:
+            self.emit(f, now)
+        for req in fetches:
+            self._start_fetch(req, now)
+        for suspect in self.hang.update(now, self.ranks):
+            self._start_stacks(suspect, now)
+        if self.root_found:
+            self.exits.done = True  # later exits follow from the fault already named
+        for f in self.exits.update(now, self.ranks, self.launcher_codes, self.launcher_done):
+            self.emit(f, now)
+        self._flush_due(now)
+        self._watch_agents(now)
+
+    def _start_stacks(self, suspect: Suspect, now: float) -> None:
+        suspect.finding.first_seen = time.time()
+        self.root_found = self.root_found or suspect.finding.kind in ROOT_KINDS
+        rid = next(self.request_ids)
+        by_node: dict[bytes, list[int]] = {}
+        for r in suspect.stack_ranks:
+            if r in self.rank_node:
+                by_node.setdefault(self.rank_node[r], []).append(r)
+        sent: set[int] = set()
+        for ident, ranks in by_node.items():
+            if self.endpoint.send(ident, Command(kind="dump_stacks", request_id=rid, ranks=ranks)):
+                sent.update(ranks)
+        self.pending_stacks[rid] = PendingStacks(suspect.finding, sent, now + self.stack_timeout_s)
+        self.events.write("suspect", finding_kind=suspect.finding.kind, ranks=suspect.finding.culprit_ranks, request=rid)
+
+    def _on_stack(self, msg: StackReport, now: float) -> None:
+        pending = self.pending_stacks.get(msg.request_id)
+        if pending is None:
+            return
+        text = msg.text or "(no stack could be captured)"
+        pending.finding.stacks[str(msg.rank)] = f"[{msg.method}]\n{text}"
+        pending.waiting.discard(msg.rank)
+
+    def _start_fetch(self, req: FetchRequest, now: float) -> None:
+        rid = next(self.request_ids)
+        by_node: dict[bytes, list[int]] = {}
+        for r in req.ranks:
+            if r in self.rank_node:
+                by_node.setdefault(self.rank_node[r], []).append(r)
+        for ident, ranks in by_node.items():
+            self.endpoint.send(ident, Command(kind="fetch_records", request_id=rid, ranks=ranks, pg=req.pg,
+                                              seq_from=req.seq_from, seq_to=req.seq_to))
+        self.pending_fetch[rid] = PendingFetch(req, set(req.ranks), now + self.stack_timeout_s)
+
+    def _on_records(self, msg: RecordsReport, now: float) -> None:
+        pending = self.pending_fetch.get(msg.request_id)
+        if pending is None:
+            return
+        pending.records[msg.rank] = msg.records
+        pending.waiting.discard(msg.rank)
+
+    def _flush_due(self, now: float) -> None:
+        for rid, p in list(self.pending_stacks.items()):
+            if not p.waiting or now >= p.deadline:
+                del self.pending_stacks[rid]
+                self.emit(p.finding, now)
+        for rid, p in list(self.pending_fetch.items()):
+            if not p.waiting or now >= p.deadline:
+                del self.pending_fetch[rid]
+                f = self.desync.resolve(p.request, p.records)
+                if f is not None:
+                    self.emit(f, now)
+
+    def emit(self, finding: Finding, now: float) -> None:
+        key = finding.key()
+        if key in self.emitted:
+            return
+        self.emitted.add(key)
+        if finding.kind in ROOT_KINDS:
+            self.root_found = True
+        wall = time.time()
+        finding.first_seen = finding.first_seen or wall
+        finding.confirmed = wall
+        self._fill_identity(finding)
+        self.findings.append(finding)
+        self.findings_sink.finding(finding)
+        self.events.write("finding", finding_kind=finding.kind, culprits=finding.culprit_ranks, summary=finding.summary)
+        self.console.finding(finding)
+        if finding.kind in self.abort_on and not self.aborting:
+            self.abort(f"{finding.kind} found")
+
+    def _fill_identity(self, f: Finding) -> None:
+        obs = [self.ranks[r] for r in f.culprit_ranks if r in self.ranks]
+        if not f.hosts:
+            f.hosts = sorted({o.host for o in obs})
+        if not f.pids:
+            f.pids = [o.state.pid for o in obs]
+        if not f.devices:
+            f.devices = [f"local_rank {o.state.local_rank}" for o in obs]
+
+    def abort(self, reason: str) -> None:
+        self.aborting = True
+        self.console.warn(f"stopping the training job ({reason}; --abort-on)")
+        self.events.write("abort", reason=reason)
+        for ident in self.nodes:
+            self.endpoint.send(ident, Command(kind="abort", request_id=next(self.request_ids)))
+
+    def _watch_agents(self, now: float) -> None:
+        for node in self.nodes.values():
+            if not node["gone"] and not node["lost"] and now - node["last"] > self.agent_silence_s:
+                node["lost"] = True
+                self.console.warn(f"lost contact with the agent of node {node['name']}: "
+                                  "monitoring of its ranks is interrupted")
+                self.events.write("agent_lost", node=node["name"])
+
+    # ---- main loop ------------------------------------------------------------------------
+    def run(self, detect_every_s: float = 0.25) -> None:
+        next_detect = 0.0
+        while not self.stop:
+            got = self.endpoint.recv(50)
+            now = time.monotonic()
+            if got is not None:
+                self.handle(got[0], got[1], now)
+            if now >= next_detect:
+                self.detect(now)
+                next_detect = now + detect_every_s
+        self.finish()
+
+    def finish(self) -> None:
+        # Drain what agents send while they stop, then decide with everything known.
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            got = self.endpoint.recv(50)
+            if got is not None:
+                self.handle(got[0], got[1], time.monotonic())
+            elif self.nodes and all(n["gone"] for n in self.nodes.values()):
+                break
+        self.launcher_done = True
+        now = time.monotonic()
+        self.detect(now)
+        for p in list(self.pending_stacks.values()) + []:
+            p.deadline = now
+        for p in self.pending_fetch.values():
+            p.deadline = now
+        self._flush_due(now)
+        self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected))
+        self.endpoint.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainscout.coordinator", description=__doc__)
+    p.add_argument("--bind", default="tcp://127.0.0.1:0")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--hang-timeout", type=float, default=5.0)
+    p.add_argument("--stall-timeout", type=float, default=300.0)
+    p.add_argument("--abort-on", default="")
+    p.add_argument("--console", choices=["auto", "rich", "plain"], default="auto")
+    args = p.parse_args(argv)
+    secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
+    endpoint = CoordinatorEndpoint(args.bind, secret)
+    rich = {"auto": None, "rich": True, "plain": False}[args.console]
+    console = ConsoleSink(sys.stdout, rich=rich)
+    coord = Coordinator(endpoint, args.run_dir, console, hang_timeout_s=args.hang_timeout,
+                        stall_timeout_s=args.stall_timeout,
+                        abort_on={k for k in args.abort_on.split(",") if k})
+    addr_file = os.path.join(args.run_dir, "coordinator.addr")
+    with open(addr_file + ".tmp", "w") as fh:
+        fh.write(endpoint.address)
+    os.replace(addr_file + ".tmp", addr_file)
+
+    def _stop(*_):
+        coord.stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    coord.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

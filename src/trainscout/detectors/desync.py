@@ -1,0 +1,152 @@
+"""Protocol desync: members of a process group issued different collectives at the same sequence number.
+
+Every member publishes, per group, a rolling hash chained over its collectives' signatures. At the
+highest sequence number every member has passed, the rolling hashes must agree (C3 exact vote). When
+they do not, the first deviating collective is found from per-collective hashes: from the records in
+the digests when they cover it, otherwise from records pulled from the agents (`FetchRequest`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainscout.consensus import vote_exact
+from trainscout.detectors.observations import RankObs, group_label, rank_list
+from trainscout.findings import DESYNC, Finding
+from trainscout.wire.messages import CollectiveRecord
+
+
+@dataclass
+class FetchRequest:
+    pg: str
+    seq_from: int
+    seq_to: int
+    ranks: list[int]
+
+
+class DesyncDetector:
+    def __init__(self) -> None:
+        self._agreed: dict[str, int] = {}  # pg -> highest seq known to agree
+        self._done: set[str] = set()  # groups already reported (hashes differ forever after)
+        self._pending: dict[str, FetchRequest] = {}
+
+    def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
+        findings: list[Finding] = []
+        fetches: list[FetchRequest] = []
+        for name, members, known in _histories(ranks):
+            if name in self._done or name in self._pending:
+                continue
+            common = set.intersection(*(set(k) for k in known.values()))
+            if not common:
+                continue
+            top = max(common)
+            verdict = vote_exact({r: known[r][top] for r in known})
+            if verdict.status == "agree":
+                self._agreed[name] = max(self._agreed.get(name, 0), top)
+                continue
+            low = self._agreed.get(name, 0) + 1
+            records = {r: _recent(ranks[r], name) for r in known}
+            covered = all(recs and recs[0].seq <= low for recs in records.values())
+            finding = first_deviation(name, _desc(ranks, name), records, low, top) if covered else None
+            if finding is not None:
+                self._done.add(name)
+                findings.append(finding)
+            else:
+                req = FetchRequest(pg=name, seq_from=low, seq_to=top, ranks=sorted(known))
+                self._pending[name] = req
+                fetches.append(req)
+        return findings, fetches
+
+    def resolve(self, request: FetchRequest, records: dict[int, list[CollectiveRecord]]) -> Finding | None:
+        """Called with the records the agents returned for a FetchRequest."""
+        self._pending.pop(request.pg, None)
+        self._done.add(request.pg)
+        return first_deviation(request.pg, "", records, request.seq_from, request.seq_to, pulled=True)
+
+
+def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRecord]], low: int, high: int,
+                    pulled: bool = False) -> Finding | None:
+    by_seq: dict[int, dict[int, CollectiveRecord]] = {}
+    for rank, recs in records.items():
+        for rec in recs:
+            if low <= rec.seq <= high:
+                by_seq.setdefault(rec.seq, {})[rank] = rec
+    for seq in sorted(by_seq):
+        at = by_seq[seq]
+        if len(at) < len(records):
+            if pulled:
+                continue
+            return None  # not every member's record of this seq is at hand: pull them
+        verdict = vote_exact({r: rec.entry_hash for r, rec in at.items()})
+        if verdict.status == "agree":
+            continue
+        groups: dict[int, list[int]] = {}
+        for r, rec in at.items():
+            groups.setdefault(rec.entry_hash, []).append(r)
+        evidence = {"issued": {at[rs[0]].desc: sorted(rs) for rs in groups.values()}, "pg": pg}
+        if verdict.status == "attributed":
+            culprits = list(verdict.outliers)
+            majority_desc = next(rec.desc for r, rec in at.items() if r not in culprits)
+            odd = "; ".join(f"{rank_list(rs)} issued {at[rs[0]].desc}" for h, rs in groups.items()
+                            if h != verdict.majority_value)
+            majority = groups[verdict.majority_value]
+            summary = (f"at collective #{seq} of {group_label(pg, pg_desc)}: {odd} while "
+                       f"{rank_list(majority)} issued {majority_desc}")
+            evidence["differs_in"] = _difference(at[culprits[0]].desc, majority_desc)
+            return Finding(kind=DESYNC, summary=summary, culprit_ranks=culprits, pg=pg, collective_seq=seq,
+                           collective=at[culprits[0]].op, step=at[culprits[0]].step, evidence=evidence)
+        summary = (f"at collective #{seq} of {group_label(pg, pg_desc)} members disagree ("
+                   + "; ".join(f"{rank_list(rs)}: {at[rs[0]].desc}" for rs in groups.values())
+                   + "); no strict majority, so no rank can be blamed")
+        return Finding(kind=DESYNC, status="inconclusive", summary=summary, culprit_ranks=[], pg=pg,
+                       collective_seq=seq, step=min(rec.step for rec in at.values()), confidence=0.5,
+                       evidence=evidence)
+    return None
+
+
+def _difference(odd: str, usual: str) -> str:
+    a, b = odd.split(), usual.split()
+    if a[:1] != b[:1]:
+        return "op"
+    if any(x.startswith("op=") for x in a + b) and [x for x in a if x.startswith("op=")] != [
+        x for x in b if x.startswith("op=")
+    ]:
+        return "reduce op"
+    if [x.split("[")[0] for x in a[1:]] != [x.split("[")[0] for x in b[1:]]:
+        return "dtype"
+    return "shape" if a != b else "signature"
+
+
+def _histories(ranks: dict[int, RankObs]):
+    """(pg, members, {rank: {seq: rolling hash}}) per group, from latest, anchors and recent records."""
+    groups: dict[str, list[int]] = {}
+    for o in ranks.values():
+        for pg in o.state.pgs:
+            if pg.members and pg.name not in groups:
+                groups[pg.name] = pg.members
+    for name, members in groups.items():
+        known: dict[int, dict[int, int]] = {}
+        for r in members:
+            o = ranks.get(r)
+            pg = o.pg(name) if o is not None else None
+            if pg is None or pg.seq == 0:
+                continue
+            hist = dict(pg.anchors)
+            hist.update({rec.seq: rec.rolling_hash for rec in pg.recent})
+            hist[pg.seq] = pg.rolling_hash
+            known[r] = hist
+        if len(known) >= 2 and len(known) == len([m for m in members if m in ranks]):
+            yield name, members, known
+
+
+def _recent(o: RankObs, name: str) -> list[CollectiveRecord]:
+    pg = o.pg(name)
+    return list(pg.recent) if pg is not None else []
+
+
+def _desc(ranks: dict[int, RankObs], name: str) -> str:
+    for o in ranks.values():
+        pg = o.pg(name)
+        if pg is not None and pg.desc:
+            return pg.desc
+    return ""

@@ -1,0 +1,169 @@
+"""Crashes and early exits: which rank's exit started the failure, and which exits followed from it.
+
+Exits are ordered by when the agents saw them. The root is the first exit that is abnormal for a
+reason of its own (an exception that is not a lost peer connection, a fatal signal, a process that
+vanished without a record), or a clean exit while peers still had work: they later issued a
+collective it never issued, passed its step, or failed. Exits after the root are collateral (peers
+losing their connection, the launcher's SIGTERM) and are listed as evidence, not blamed.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+
+from trainscout.detectors.observations import RankObs, rank_list, who
+from trainscout.findings import CRASH, EARLY_EXIT, Finding
+
+_COLLATERAL_TEXT = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "processgroup",
+    "nccl",
+    "socket",
+    "gloo",
+)
+
+
+def _signame(sig: int | None) -> str:
+    if not sig:
+        return ""
+    try:
+        return _signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def is_abnormal(o: RankObs, launcher_codes: dict[int, int]) -> bool:
+    e = o.state.exit
+    code = launcher_codes.get(o.rank)
+    if code is not None and code != 0:
+        return True
+    return e.how in ("exception", "signal", "vanished") or (e.code not in (0, None))
+
+
+def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
+    e = o.state.exit
+    if e.how == "signal" and e.signal in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
+        return True  # the launcher tears the survivors down this way
+    if launcher_codes.get(o.rank) in (-_signal.SIGTERM, -_signal.SIGINT):
+        return e.how != "vanished"
+    return e.how == "exception" and any(t in e.message.lower() for t in _COLLATERAL_TEXT)
+
+
+class ExitDetector:
+    def __init__(self, settle_s: float = 1.0, max_wait_s: float = 4.0) -> None:
+        self.settle_s = settle_s
+        self.max_wait_s = max_wait_s
+        self.done = False
+
+    def update(self, now: float, ranks: dict[int, RankObs], launcher_codes: dict[int, int],
+               launcher_done: bool) -> list[Finding]:
+        if self.done:
+            return []
+        exited = sorted((o for o in ranks.values() if o.state.exit is not None), key=lambda o: o.exited_at())
+        if not exited:
+            return []
+        alive = [o for o in ranks.values() if o.state.alive]
+        abnormal = [o for o in exited if is_abnormal(o, launcher_codes)]
+        own = [o for o in abnormal if not is_collateral(o, launcher_codes)]
+        first_abnormal_at = abnormal[0].exited_at() if abnormal else None
+
+        early = self._early_exits(exited, ranks, abnormal, first_abnormal_at)
+        if early:
+            self.done = True
+            return [self._early_finding(early, ranks, exited)]
+        if not abnormal:
+            return []
+        if not own and all(o.state.exit.how == "signal" for o in abnormal):
+            return []  # only teardown signals (Ctrl-C, the launcher stopping survivors): nobody to blame
+        root_candidates = own or abnormal
+        root_at = root_candidates[0].exited_at()
+        waited = now - root_at
+        settled = launcher_done or not alive
+        if waited < (self.settle_s if settled else self.max_wait_s):
+            return []
+        roots = [o for o in root_candidates if o.exited_at() - root_at <= 0.25 and not is_collateral(o, launcher_codes)]
+        roots = roots or [root_candidates[0]]
+        self.done = True
+        finding = self._crash_finding(roots, exited, launcher_codes)
+        if not own:  # the first to fail only lost a peer: whoever it lost is not in view
+            finding.status, finding.culprit_ranks, finding.confidence = "inconclusive", [], 0.4
+        return [finding]
+
+    def _early_exits(self, exited, ranks, abnormal, first_abnormal_at) -> list[RankObs]:
+        clean = [o for o in exited if o.state.exit.how == "exit" and o.state.exit.code in (0, None)
+                 and (first_abnormal_at is None or o.exited_at() <= first_abnormal_at)]
+        early = []
+        for o in clean:
+            others = [p for p in ranks.values() if p.rank != o.rank and
+                      (p.state.exit is None or p.exited_at() > o.exited_at())]
+            if not others:
+                continue
+            went_on = any(p.state.step > o.state.step or _issued_more(p, o) for p in others)
+            peers_failed = any(p in abnormal for p in others)
+            if went_on or peers_failed:
+                early.append(o)
+        return early
+
+    def _early_finding(self, early, ranks, exited) -> Finding:
+        first = early[0]
+        culprits = sorted(o.rank for o in early)
+        others = sorted(r for r in ranks if r not in culprits)
+        after = [o for o in exited if o.rank not in culprits]
+        lead = who(first) if len(early) == 1 else rank_list(culprits)
+        max_step = max(ranks[r].state.step for r in others) if others else first.state.step
+        summary = (f"{lead} exited cleanly (code {first.state.exit.code or 0}) after step {first.state.step} "
+                   f"while {rank_list(others)} went on (to step {max_step})")
+        if after:
+            summary += f"; {len(after)} rank(s) then failed because of it"
+        return Finding(
+            kind=EARLY_EXIT, summary=summary, culprit_ranks=culprits, step=first.state.step,
+            hosts=sorted({o.host for o in early}), pids=[o.state.pid for o in early],
+            evidence={"exit": {str(o.rank): o.state.exit.message for o in early},
+                      "collateral": _collateral(after)},
+        )
+
+    def _crash_finding(self, roots, exited, launcher_codes) -> Finding:
+        first = roots[0]
+        e = first.state.exit
+        code = launcher_codes.get(first.rank, e.code)
+        sig = e.signal or (-code if code is not None and code < 0 else None)
+        how = _signame(sig) if sig else (f"exit code {code}" if code is not None else "unknown status")
+        if e.how == "exception":
+            cause = e.message
+        elif e.how == "vanished" and not sig:
+            cause = "it vanished without an exit record (killed, e.g. SIGKILL / OOM killer, or crashed hard)"
+        else:
+            cause = e.message
+        culprits = sorted(o.rank for o in roots)
+        after = [o for o in exited if o.rank not in culprits]
+        lead = who(first) if len(roots) == 1 else rank_list(culprits)
+        summary = f"{lead} died first ({how}) at step {e.step}: {cause}"
+        if after:
+            summary += f"; {len(after)} rank(s) failed after it"
+        return Finding(
+            kind=CRASH, summary=summary, culprit_ranks=culprits, step=e.step,
+            hosts=sorted({o.host for o in roots}), pids=[o.state.pid for o in roots],
+            evidence={"exit_code": code, "signal": _signame(sig) or None, "how": e.how, "message": e.message,
+                      "collateral": _collateral(after)},
+        )
+
+
+def _issued_more(peer: RankObs, gone: RankObs) -> bool:
+    for pg in gone.state.pgs:
+        mine = peer.pg(pg.name)
+        if mine is not None and gone.rank in (mine.members or [gone.rank]) and mine.seq > pg.seq:
+            return True
+    return False
+
+
+def _collateral(after: list[RankObs]) -> dict[str, str]:
+    out = {}
+    for o in after:
+        e = o.state.exit
+        label = e.how + (f" {_signame(e.signal)}" if e.signal else "") + (f" code {e.code}" if e.code is not None else "")
+        out[str(o.rank)] = f"{label}: {e.message}"[:300]
+    return out

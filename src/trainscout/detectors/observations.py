@@ -1,0 +1,57 @@
+"""What detectors see of the job: each rank's latest reported state and when the coordinator got it.
+
+Ages in a RankState were measured by the sending agent on its own clock; adding the time since the
+coordinator received the state gives an age "now" without comparing clocks across hosts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainscout.wire.messages import PgState, RankState
+
+
+@dataclass
+class RankObs:
+    state: RankState
+    host: str
+    seen_at: float  # coordinator monotonic seconds when the state arrived
+
+    @property
+    def rank(self) -> int:
+        return self.state.rank
+
+    def age(self, reported_age: float, now: float) -> float:
+        return reported_age + max(0.0, now - self.seen_at)
+
+    def progress_age(self, now: float) -> float:
+        return self.age(self.state.progress_age_s, now)
+
+    def heartbeat_age(self, now: float) -> float:
+        return self.age(self.state.heartbeat_age_s, now)
+
+    def exited_at(self) -> float | None:
+        """Coordinator-clock estimate of when the rank's exit was observed."""
+        if self.state.exit is None:
+            return None
+        return self.seen_at - self.state.exit.age_s
+
+    def pg(self, name: str) -> PgState | None:
+        for pg in self.state.pgs:
+            if pg.name == name:
+                return pg
+        return None
+
+
+def who(obs: RankObs) -> str:
+    """'rank 2 (host h, pid 41)' as findings print it."""
+    return f"rank {obs.rank} (host {obs.host}, pid {obs.state.pid})"
+
+
+def rank_list(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
+
+
+def group_label(name: str, desc: str) -> str:
+    return f"pg {name}" + (f" ({desc})" if desc else "")

@@ -1,0 +1,164 @@
+"""Hang detection from collective sequence numbers: who never entered the collective the others wait in.
+
+When no live rank has made progress for `hang_timeout_s`, each process group's members are compared by
+the sequence number of the last collective they issued. The members behind a strict majority never
+entered the collective the majority waits in: they are the culprits (C3 exact vote). A rank behind in
+one group but ahead in another waits in a different group than its peers: a process-group desync.
+A job-wide pause (checkpoint save) leaves every member at the same sequence number: no finding, unless
+it lasts `stall_timeout_s`, and then the finding blames nobody.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainscout.consensus import vote_exact
+from trainscout.detectors.observations import RankObs, group_label, rank_list, who
+from trainscout.findings import DESYNC, HANG, STALL, Finding
+
+
+@dataclass
+class Suspect:
+    """A finding waiting for evidence the coordinator must fetch (stacks) before it is emitted."""
+
+    finding: Finding
+    stack_ranks: list[int] = field(default_factory=list)
+
+
+class HangDetector:
+    def __init__(self, hang_timeout_s: float = 5.0, stall_timeout_s: float = 300.0,
+                 starved_after_s: float = 2.0) -> None:
+        self.hang_timeout_s = hang_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.starved_after_s = starved_after_s
+        self._reported_this_quiet = False
+
+    def update(self, now: float, ranks: dict[int, RankObs]) -> list[Suspect]:
+        live = {r: o for r, o in ranks.items() if o.state.alive}
+        if len(live) < 1:
+            return []
+        quiet = min(o.progress_age(now) for o in live.values())
+        if quiet < self.hang_timeout_s:
+            self._reported_this_quiet = False
+            return []
+        if self._reported_this_quiet:
+            return []
+        behind: dict[int, list[tuple[str, int]]] = {}  # rank -> [(pg, majority seq it never entered)]
+        ahead: dict[int, list[tuple[str, int]]] = {}
+        unattributed: list[tuple[str, dict[int, int]]] = []
+        for name, members, seqs in _groups(live):
+            if len(set(seqs.values())) <= 1:
+                continue
+            verdict = vote_exact(seqs)
+            if verdict.status != "attributed":
+                unattributed.append((name, seqs))
+                continue
+            majority = verdict.majority_value
+            for r in verdict.outliers:
+                (behind if seqs[r] < majority else ahead).setdefault(r, []).append((name, majority))
+        if not behind and not unattributed and not ahead:
+            if quiet >= self.stall_timeout_s:
+                self._reported_this_quiet = True
+                return [Suspect(self._stall(now, live, quiet))]
+            return []
+        self._reported_this_quiet = True
+        if behind:
+            return [Suspect(self._blame(now, live, behind, ahead, quiet), sorted(behind))]
+        return [Suspect(self._inconclusive(now, live, unattributed, ahead, quiet), sorted(live))]
+
+    def _blame(self, now, live, behind, ahead, quiet) -> Finding:
+        culprits = sorted(behind)
+        cross = {r for r in culprits if r in ahead}
+        pg_name, seq = behind[culprits[0]][0]
+        waiting = [r for r, o in live.items() if r not in behind and _seq(o, pg_name) >= seq]
+        op, desc, pg_desc = _collective_at(live, waiting, pg_name, seq)
+        first = live[culprits[0]]
+        evidence = {
+            "quiet_s": round(quiet, 2),
+            "waiting_ranks": waiting,
+            "positions": {str(r): {n: _seq(live[r], n) for n, _ in behind[r]} for r in culprits},
+        }
+        starved = [r for r in culprits if live[r].heartbeat_age(now) >= self.starved_after_s]
+        if starved:
+            evidence["starved_ranks"] = starved
+            evidence["starved_note"] = ("the probe's own thread stopped running in these ranks: the "
+                                        "process holds the GIL (busy Python loop) or is frozen")
+            evidence["cpu_percent"] = {str(r): live[r].state.cpu_percent for r in starved}
+        if cross:
+            other_pg, other_seq = ahead[min(cross)][0]
+            kind = DESYNC
+            summary = (f"{rank_list(culprits)} issued collective #{other_seq} on pg {other_pg} while "
+                       f"{len(waiting)}/{len(live)} ranks wait in {op or 'a collective'} #{seq} of "
+                       f"{group_label(pg_name, pg_desc)}: different process group")
+            evidence["desync"] = "process group"
+            evidence["culprit_group"] = {"pg": other_pg, "seq": other_seq}
+        else:
+            kind = HANG
+            where = f"{op} #{seq}" if op else f"collective #{seq}"
+            lead = who(first) if len(culprits) == 1 else rank_list(culprits)
+            summary = (f"{lead} never entered {where} of {group_label(pg_name, pg_desc)}; "
+                       f"{len(waiting)}/{len(live)} ranks wait there")
+            if starved:
+                summary += " (culprit holds the GIL or is frozen)"
+        return Finding(
+            kind=kind, summary=summary, culprit_ranks=culprits, step=first.state.step,
+            hosts=sorted({live[r].host for r in culprits}), pids=[live[r].state.pid for r in culprits],
+            pg=pg_name, collective_seq=seq, collective=op or None, evidence=evidence,
+            confidence=1.0, first_seen=0.0,
+        )
+
+    def _inconclusive(self, now, live, unattributed, ahead, quiet) -> Finding:
+        if unattributed:
+            name, seqs = unattributed[0]
+        else:
+            r = min(ahead)
+            name = ahead[r][0][0]
+            seqs = {k: _seq(o, name) for k, o in live.items()}
+        top = max(seqs.values())
+        lagging = sorted(r for r, s in seqs.items() if s < top)
+        return Finding(
+            kind=HANG, status="inconclusive", culprit_ranks=[],
+            summary=(f"job hung on pg {name}: {rank_list(lagging)} never entered collective #{top} but no "
+                     f"strict majority waits there, so no rank can be blamed"),
+            pg=name, collective_seq=top, confidence=0.3,
+            evidence={"quiet_s": round(quiet, 2), "seq_by_rank": {str(k): v for k, v in seqs.items()},
+                      "lagging_ranks": lagging},
+        )
+
+    def _stall(self, now, live, quiet) -> Finding:
+        return Finding(
+            kind=STALL, status="inconclusive", culprit_ranks=[],
+            summary=f"no rank made progress for {quiet:.0f} s and all wait at the same point",
+            step=max(o.state.step for o in live.values()), confidence=0.3,
+            evidence={"quiet_s": round(quiet, 1), "ranks": sorted(live)},
+        )
+
+
+def _groups(live: dict[int, RankObs]):
+    """(pg name, members, {member: seq}) for every group with at least two live reporting members."""
+    names: dict[str, list[int]] = {}
+    for o in live.values():
+        for pg in o.state.pgs:
+            if pg.members and pg.name not in names:
+                names[pg.name] = pg.members
+    for name, members in names.items():
+        seqs = {r: _seq(live[r], name) for r in members if r in live}
+        if len(seqs) >= 2:
+            yield name, members, seqs
+
+
+def _seq(o: RankObs, name: str) -> int:
+    pg = o.pg(name)
+    return pg.seq if pg is not None else 0
+
+
+def _collective_at(live, waiting, pg_name, seq) -> tuple[str, str, str]:
+    for r in waiting:
+        pg = live[r].pg(pg_name)
+        if pg is None:
+            continue
+        for rec in reversed(pg.recent):
+            if rec.seq == seq:
+                return rec.op, rec.desc, pg.desc
+        return "", "", pg.desc
+    return "", "", ""

@@ -1,0 +1,353 @@
+"""Makes one rank of an unmodified training job misbehave on cue, so detectors can be shown and tested.
+
+The probe (in every rank process) builds a FaultInjector from TRAINSCOUT_INJECT and calls it at three points:
+after each optimizer step (on_step_end: hangs, GIL spins, crashes, early exits, slowness, pauses), just before
+each Python-level torch.distributed collective (rewrite_collective: desyncs), and right after
+init_process_group (on_init_process_group: the side group a "pg" desync issues on). The injector owns no
+threads and no hooks of its own; where and when it is called is the probe's business.
+
+Apart from the faults that end or stop the rank by design, nothing here raises into the training script:
+an injector that breaks a job in an unplanned way would be blamed on the detectors. Every fault that fires
+writes one "trainscout-fault:" line to stderr so a demo shows cause next to effect.
+
+torch is imported inside functions only: this module is loaded in every process at interpreter start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from trainscout.faults.spec import ENV_VAR, FaultSpec, format_value, parse_faults
+
+LOG_PREFIX = "trainscout-fault:"
+
+# Faults driven by the optimizer step; the order says what goes first when several are due at one step:
+# the ones that return (slow, pause) before the ones that never do.
+_STEP_KINDS = ("slow", "pause", "hang", "gil", "crash", "exit")
+
+# Positional parameter names of the torch.distributed functions the probe may wrap (torch 2.13), so an
+# argument can be read or replaced whether the caller passed it by position or by keyword.
+_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("tensor", "op", "group", "async_op"),
+    "all_reduce_coalesced": ("tensors", "op", "group", "async_op"),
+    "broadcast": ("tensor", "src", "group", "async_op", "group_src"),
+    "reduce": ("tensor", "dst", "op", "group", "async_op", "group_dst"),
+    "all_gather": ("tensor_list", "tensor", "group", "async_op"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
+    "reduce_scatter_tensor": ("output", "input", "op", "group", "async_op"),
+    "all_to_all": ("output_tensor_list", "input_tensor_list", "group", "async_op"),
+    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+    "gather": ("tensor", "gather_list", "dst", "group", "async_op", "group_dst"),
+    "scatter": ("tensor", "scatter_list", "src", "group", "async_op", "group_src"),
+    "barrier": ("group", "async_op", "device_ids", "timeout"),
+    "monitored_barrier": ("group", "timeout", "wait_all_ranks"),
+    "broadcast_object_list": ("object_list", "src", "group", "device", "group_src"),
+    "all_gather_object": ("object_list", "obj", "group"),
+    "gather_object": ("obj", "object_gather_list", "dst", "group", "group_dst"),
+    "scatter_object_list": ("scatter_object_output_list", "scatter_object_input_list", "src", "group",
+                            "group_src"),
+}
+
+# The tensor this rank contributes, i.e. the one a shape/dtype desync replaces.
+_INPUT_TENSOR: dict[str, str] = {
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter_tensor": "input",
+    "all_to_all_single": "input",
+    "gather": "tensor",
+    "scatter": "tensor",
+}
+
+_REDUCING = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+
+
+def _log(message: str) -> None:
+    try:
+        sys.stderr.write(f"{LOG_PREFIX} {message}\n")
+        sys.stderr.flush()
+    except Exception:  # a closed or broken stderr must not turn a log line into a crash
+        pass
+
+
+class _NotApplicable(Exception):
+    """This collective cannot carry the pending desync; keep it pending for the next one."""
+
+
+class _Call:
+    """A collective call's arguments, addressable by parameter name however they were passed."""
+
+    def __init__(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.name = name
+        self.params = _SIGNATURES.get(name, ())
+        self.args = list(args)
+        self.kwargs = dict(kwargs)  # a copy: the caller's dict is never mutated
+
+    def _index(self, param: str) -> int | None:
+        if param in self.params:
+            index = self.params.index(param)
+            if index < len(self.args):
+                return index
+        return None
+
+    def has(self, param: str) -> bool:
+        return param in self.kwargs or self._index(param) is not None
+
+    def get(self, param: str, default: Any = None) -> Any:
+        if param in self.kwargs:
+            return self.kwargs[param]
+        index = self._index(param)
+        return self.args[index] if index is not None else default
+
+    def set(self, param: str, value: Any) -> None:
+        index = self._index(param)
+        if index is not None and param not in self.kwargs:
+            self.args[index] = value
+        else:
+            self.kwargs[param] = value
+
+    def result(self) -> tuple[str, tuple, dict]:
+        return self.name, tuple(self.args), self.kwargs
+
+
+def _input_tensor(call: _Call) -> tuple[str, Any]:
+    import torch
+
+    param = _INPUT_TENSOR.get(call.name)
+    tensor = call.get(param) if param else None
+    if not isinstance(tensor, torch.Tensor):
+        raise _NotApplicable(f"{call.name} has no input tensor to rewrite")
+    return param, tensor
+
+
+def _scratch_tensor(group: Any) -> Any:
+    """A one-element tensor on the device the group's backend needs (for ops that carried no tensor)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    try:
+        if dist.is_initialized() and dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+    except Exception:
+        pass
+    return torch.zeros(1, device=device)
+
+
+def _first_rank_of(group: Any) -> int:
+    """Global rank of the group's rank 0: a broadcast root that is valid on any group (world: 0)."""
+    if group is None:
+        return 0
+    try:
+        import torch.distributed as dist
+
+        return dist.get_global_rank(group, 0)
+    except Exception:
+        return 0
+
+
+def _desync_shape(call: _Call) -> str:
+    param, tensor = _input_tensor(call)
+    bigger = tensor.new_zeros(tensor.numel() + 1)
+    bigger[: tensor.numel()] = tensor.detach().reshape(-1)
+    call.set(param, bigger)
+    return f"{param} {tuple(tensor.shape)} -> {tuple(bigger.shape)}"
+
+
+def _desync_dtype(call: _Call) -> str:
+    import torch
+
+    param, tensor = _input_tensor(call)
+    # float32 <-> float64; any other dtype also becomes float64, which differs from it just as well.
+    dtype = torch.float32 if tensor.dtype == torch.float64 else torch.float64
+    call.set(param, tensor.detach().to(dtype))
+    return f"{param} {tensor.dtype} -> {dtype}"
+
+
+def _desync_op(call: _Call) -> str:
+    group = call.get("group")
+    kwargs: dict[str, Any] = {"group": group}
+    if call.has("async_op"):  # keep the caller's expectation of a Work handle (or of None)
+        kwargs["async_op"] = call.get("async_op")
+    if call.name == "all_reduce":
+        tensor = call.get("tensor")
+        new = _Call("broadcast", (tensor,), {"src": _first_rank_of(group), **kwargs})
+    else:
+        try:
+            _, tensor = _input_tensor(call)
+        except _NotApplicable:
+            tensor = _scratch_tensor(group)
+        new = _Call("all_reduce", (tensor,), kwargs)
+    call.name, call.params, call.args, call.kwargs = new.name, new.params, new.args, new.kwargs
+    return f"issued as {call.name}"
+
+
+def _desync_reduce(call: _Call) -> str:
+    import torch.distributed as dist
+
+    if call.name not in _REDUCING:
+        raise _NotApplicable(f"{call.name} has no reduce op")
+    old = call.get("op", dist.ReduceOp.SUM)
+    new = dist.ReduceOp.MAX if old == dist.ReduceOp.SUM else dist.ReduceOp.SUM
+    call.set("op", new)
+    return f"op {old} -> {new}"
+
+
+class FaultInjector:
+    """The faults one rank must fire, and the once-only bookkeeping that goes with them."""
+
+    def __init__(self, specs: Iterable[FaultSpec], rank: int) -> None:
+        specs = list(specs)
+        self.rank = rank
+        self.specs: tuple[FaultSpec, ...] = tuple(s for s in specs if s.applies_to(rank))
+        # Creating a process group is itself collective: every rank must join the side group if any rank
+        # will later desync onto it, even ranks with no fault of their own.
+        self.needs_side_group = any(s.kind == "desync" and s.params.get("what") == "pg" for s in specs)
+        self._side_group: Any = None
+        self._fired: set[int] = set()  # indexes into self.specs of one-shot faults already fired
+        self._lock = threading.Lock()  # collectives may be issued from several threads
+
+    @classmethod
+    def from_env(cls, rank: int, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
+        """The injector for this rank, or None when it has nothing to do (no faults, no side group)."""
+        text = environ.get(ENV_VAR, "")
+        if not text.strip():
+            return None
+        try:
+            specs = parse_faults(text)
+        except ValueError as exc:  # the CLI validates first; here a bad value must not kill training
+            _log(f"rank {rank}: ignoring {ENV_VAR}: {exc}")
+            return None
+        injector = cls(specs, rank)
+        return injector if injector.specs or injector.needs_side_group else None
+
+    def describe(self) -> str:
+        """One line for logs: what this rank will do and when."""
+        parts = []
+        for spec in self.specs:
+            params = ",".join(f"{k}={format_value(v)}" for k, v in spec.params.items())
+            parts.append(f"{spec.kind}({params})@step{spec.step}" if params else f"{spec.kind}@step{spec.step}")
+        text = f"rank {self.rank}: " + (", ".join(parts) if parts else "no faults")
+        if self.needs_side_group:
+            text += "; joins the side group for a pg desync"
+        return text
+
+    # ---- optimizer step ----------------------------------------------------------------------------
+
+    def on_step_end(self, step: int) -> None:
+        """Fire the step-driven faults due after `step` optimizer steps. Raises only by design."""
+        try:
+            due = self._due_at(step)
+        except Exception as exc:
+            _log(f"rank {self.rank}: step fault check failed, disabled: {exc!r}")
+            self.specs = ()
+            return
+        for spec in due:
+            self._fire(spec, step)
+
+    def _due_at(self, step: int) -> list[FaultSpec]:
+        due: list[tuple[int, FaultSpec]] = []
+        with self._lock:
+            for index, spec in enumerate(self.specs):
+                if spec.kind not in _STEP_KINDS or step < spec.step:
+                    continue
+                if spec.kind == "slow":
+                    due.append((index, spec))
+                    if index not in self._fired:
+                        self._fired.add(index)  # marks "announced": slow logs once, sleeps every step
+                        _log(f"rank {self.rank}: slow: sleeping {spec.params['ms']:g} ms per step "
+                             f"from step {step}")
+                elif index not in self._fired:
+                    # >= rather than ==: a probe attached a few steps late still fires the fault once.
+                    self._fired.add(index)
+                    due.append((index, spec))
+        due.sort(key=lambda item: (_STEP_KINDS.index(item[1].kind), item[0]))
+        return [spec for _, spec in due]
+
+    def _fire(self, spec: FaultSpec, step: int) -> None:
+        kind, params, rank = spec.kind, spec.params, self.rank
+        if kind == "slow":
+            time.sleep(params["ms"] / 1000.0)
+        elif kind == "pause":
+            _log(f"rank {rank}: pause: sleeping {params['seconds']:g} s at step {step}")
+            time.sleep(params["seconds"])
+        elif kind == "hang":
+            _log(f"rank {rank}: hang: stopping before the next collective at step {step} (sleeping forever)")
+            while True:  # like a rank blocked in data loading: alive, GIL free, never progressing
+                time.sleep(3600)
+        elif kind == "gil":
+            _log(f"rank {rank}: gil: spinning in Python with the GIL held at step {step}")
+            sys.setswitchinterval(1e6)  # other Python threads of this process wait ~forever for the GIL
+            while True:
+                pass
+        elif kind == "crash":
+            how = params["how"]
+            _log(f"rank {rank}: crash: how={how} at step {step}")
+            if how == "exception":
+                raise RuntimeError("trainscout injected crash")
+            os.kill(os.getpid(), signal.SIGSEGV if how == "segv" else signal.SIGKILL)
+            time.sleep(10)  # signal delivery is asynchronous; do not run on into the next step meanwhile
+        elif kind == "exit":
+            _log(f"rank {rank}: exit: code={params['code']} at step {step}")
+            sys.exit(params["code"])
+
+    # ---- collectives -------------------------------------------------------------------------------
+
+    def on_init_process_group(self) -> None:
+        """Create the side group on every rank (group creation is collective); keep it for a pg desync."""
+        if not self.needs_side_group or self._side_group is not None:
+            return
+        try:
+            import torch.distributed as dist
+
+            self._side_group = dist.new_group(ranks=list(range(dist.get_world_size())))
+        except Exception as exc:
+            _log(f"rank {self.rank}: could not create the side group, pg desync disabled: {exc!r}")
+
+    def rewrite_collective(self, name: str, args: tuple, kwargs: dict, step: int) -> tuple[str, tuple, dict]:
+        """Return the collective to issue instead of (name, args, kwargs): changed once, for a due desync."""
+        unchanged = (name, args, kwargs)
+        with self._lock:
+            index = self._pending_desync(step)
+            if index is None:
+                return unchanged
+            what = self.specs[index].params["what"]
+            try:
+                call = _Call(name.rsplit(".", 1)[-1], args, kwargs)
+                if what == "pg":
+                    detail = self._desync_pg(call)
+                else:
+                    detail = {"shape": _desync_shape, "dtype": _desync_dtype, "op": _desync_op,
+                              "reduce": _desync_reduce}[what](call)
+            except _NotApplicable:
+                return unchanged  # stays pending: the next collective that can carry it gets it
+            except Exception as exc:
+                self._fired.add(index)  # fail open, once
+                _log(f"rank {self.rank}: desync {what} on {name} failed, disabled: {exc!r}")
+                return unchanged
+            self._fired.add(index)
+        _log(f"rank {self.rank}: desync: what={what} on {name} at step {step}: {detail}")
+        return call.result()
+
+    def _pending_desync(self, step: int) -> int | None:
+        for index, spec in enumerate(self.specs):
+            if spec.kind == "desync" and index not in self._fired and step >= spec.step:
+                return index
+        return None
+
+    def _desync_pg(self, call: _Call) -> str:
+        if call.name not in _SIGNATURES or "group" not in call.params:
+            raise _NotApplicable(f"{call.name}: unknown group parameter")
+        if self._side_group is None:
+            raise RuntimeError("no side group: on_init_process_group was not called")
+        call.set("group", self._side_group)
+        return "issued on the side group"

@@ -1,0 +1,163 @@
+"""Text form of injected faults: what `trainscout demo`, the tests and the benchmarks ask a rank to do wrong.
+
+Faults travel to unmodified training scripts through one environment variable (TRAINSCOUT_INJECT), so they
+must be plain text that a user can type on a command line: ``hang:rank=2:step=20;slow:rank=all:ms=80``.
+This module only parses and validates that text; firing the faults is inject.py's job. Parsing is strict
+(unknown kinds, keys or values are errors naming the bad token) because a silently ignored typo would make a
+demo or a benchmark look like a detector failure.
+
+No torch here: this module is imported in every process at interpreter start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+ENV_VAR = "TRAINSCOUT_INJECT"
+
+DEFAULT_STEP = 10
+
+# kind -> {param: default}; the defaults are filled in so an injector never has to guess.
+_KIND_PARAMS: dict[str, dict[str, Any]] = {
+    "hang": {},
+    "gil": {},
+    "crash": {"how": "kill"},
+    "exit": {"code": 0},
+    "desync": {"what": "shape"},
+    "slow": {"ms": 50.0},
+    "pause": {"seconds": 10.0},
+}
+KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
+
+CRASH_HOWS = ("kill", "segv", "exception")
+DESYNC_WHATS = ("shape", "dtype", "op", "reduce", "pg")
+
+_COMMON_KEYS = ("rank", "step")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault: which ranks (None = every rank) do what, from which optimizer step on."""
+
+    kind: str
+    ranks: tuple[int, ...] | None
+    step: int
+    params: dict = field(default_factory=dict)
+
+    def applies_to(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+    def to_text(self) -> str:
+        """The spec in the form parse_faults reads (round-trips), e.g. for logs and child environments.
+
+        The text form names one rank per token, so a spec built in code for several ranks becomes several
+        ``;``-joined tokens.
+        """
+        tail = [f"step={self.step}"] + [f"{k}={format_value(v)}" for k, v in self.params.items()]
+        ranks = ["all"] if self.ranks is None else [str(r) for r in self.ranks]
+        return ";".join(":".join([self.kind, f"rank={r}", *tail]) for r in ranks)
+
+
+def format_value(value: Any) -> str:
+    # Floats like 50.0 print as "50" so to_text stays what a human would have typed.
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _parse_int(key: str, text: str, token: str, minimum: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"fault spec {token!r}: {key}={value} must be >= {minimum}")
+    return value
+
+
+def _parse_exit_code(text: str, token: str) -> int:
+    code = _parse_int("code", text, token, minimum=0)
+    if code > 255:  # a process exit status is one byte; 256 would silently read as 0
+        raise ValueError(f"fault spec {token!r}: code={code} must be <= 255")
+    return code
+
+
+def _parse_nonneg_float(key: str, text: str, token: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):  # also rejects nan
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} must be a finite number >= 0")
+    return value
+
+
+def _parse_choice(choices: tuple[str, ...]) -> Callable[[str, str, str], str]:
+    def parse(key: str, text: str, token: str) -> str:
+        if text not in choices:
+            raise ValueError(f"fault spec {token!r}: {key}={text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+_PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
+    ("crash", "how"): _parse_choice(CRASH_HOWS),
+    ("exit", "code"): lambda key, text, token: _parse_exit_code(text, token),
+    ("desync", "what"): _parse_choice(DESYNC_WHATS),
+    ("slow", "ms"): _parse_nonneg_float,
+    ("pause", "seconds"): _parse_nonneg_float,
+}
+
+
+def _parse_ranks(text: str, token: str) -> tuple[int, ...] | None:
+    if text == "all":
+        return None
+    if not text.lstrip("-").isdigit():
+        raise ValueError(f"fault spec {token!r}: rank={text!r} is not an integer or 'all' "
+                         "(one rank per spec; use several specs for several ranks)")
+    return (_parse_int("rank", text, token, minimum=0),)
+
+
+def parse_fault(token: str) -> FaultSpec:
+    """Parse one ``kind:key=value:...`` token; ValueError names the token and what would be valid."""
+    token = token.strip()
+    kind, *items = [part.strip() for part in token.split(":")]
+    if kind not in _KIND_PARAMS:
+        raise ValueError(f"fault spec {token!r}: unknown kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    defaults = _KIND_PARAMS[kind]
+    valid_keys = _COMMON_KEYS + tuple(defaults)
+    ranks: tuple[int, ...] | None = None  # rank omitted = every rank
+    step = DEFAULT_STEP
+    params = dict(defaults)
+    seen: set[str] = set()
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise ValueError(f"fault spec {token!r}: {item!r} is not key=value; valid keys for {kind}: "
+                             f"{', '.join(valid_keys)}")
+        if key not in valid_keys:
+            raise ValueError(f"fault spec {token!r}: unknown key {key!r}; valid keys for {kind}: "
+                             f"{', '.join(valid_keys)}")
+        if key in seen:
+            raise ValueError(f"fault spec {token!r}: key {key!r} given twice")
+        seen.add(key)
+        if key == "rank":
+            ranks = _parse_ranks(value, token)
+        elif key == "step":
+            step = _parse_int("step", value, token, minimum=0)
+        else:
+            params[key] = _PARAM_PARSERS[(kind, key)](key, value, token)
+    return FaultSpec(kind=kind, ranks=ranks, step=step, params=params)
+
+
+def parse_faults(text: str) -> list[FaultSpec]:
+    """Parse ``;``-separated fault specs. Empty text (or stray separators) means no faults."""
+    return [parse_fault(token) for token in text.split(";") if token.strip()]
+
+
+def format_faults(specs: list[FaultSpec]) -> str:
+    """Inverse of parse_faults: the value to put in TRAINSCOUT_INJECT for these specs."""
+    return ";".join(spec.to_text() for spec in specs)

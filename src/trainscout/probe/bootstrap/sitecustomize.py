@@ -1,0 +1,41 @@
+"""trainscout bootstrap: put on PYTHONPATH by `trainscout run`, so it runs at start-up of every rank.
+
+It first runs the sitecustomize this one shadows (distributions ship their own), then starts the probe
+when the process is a training rank of a trainscout run. It never raises: a broken probe must not stop
+training.
+"""
+
+import os
+import sys
+
+
+def _run_shadowed_sitecustomize() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    import importlib.machinery
+    import importlib.util
+
+    paths = [p for p in sys.path if p and os.path.abspath(p) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", paths)
+    if spec is None or spec.loader is None or not spec.origin:
+        return
+    if os.path.dirname(os.path.abspath(spec.origin)) == here:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+try:
+    _run_shadowed_sitecustomize()
+except Exception as exc:  # the user's own sitecustomize failing is theirs to see, not ours to hide
+    print(f"trainscout: the original sitecustomize failed: {exc!r}", file=sys.stderr)
+
+if os.environ.get("TRAINSCOUT_RUN_ID") and os.environ.get("RANK") is not None:
+    try:
+        _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
+        if _pkg and _pkg not in sys.path:
+            sys.path.append(_pkg)
+        from trainscout.probe.probe import start
+
+        start()
+    except Exception as exc:
+        print(f"trainscout: probe disabled in this rank: {exc!r}", file=sys.stderr)

@@ -1,0 +1,115 @@
+"""Python-level wrappers around torch.distributed collectives.
+
+The Flight Recorder sees every collective but not its reduce op or root; these wrappers add that
+for collectives issued from Python, keyed by (group name, the sequence number the call will get),
+and give fault injection its hook. They never change what the call does unless a fault is planned.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import OrderedDict
+from typing import Callable
+
+WRAPPED = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+)
+_ROOT_ARGS = ("src", "dst", "group_src", "group_dst")
+_MAX_EXTRAS = 8192
+
+
+class CollectiveTap:
+    def __init__(self, get_step: Callable[[], int], injector=None, on_error: Callable[[str], None] = print) -> None:
+        self.extras: "OrderedDict[tuple[str, int], str]" = OrderedDict()
+        self._get_step = get_step
+        self._injector = injector
+        self._on_error = on_error
+        self._broken = False
+        self._c10d = None
+        self.originals: dict[str, Callable] = {}
+        self._sigs: dict[Callable, inspect.Signature | None] = {}
+
+    def patch(self, c10d_module) -> None:
+        """Replace the module's collective functions; called before torch.distributed re-exports them."""
+        self._c10d = c10d_module
+        for name in WRAPPED:
+            fn = getattr(c10d_module, name, None)
+            if fn is None or getattr(fn, "__trainscout_wrapped__", False):
+                continue
+            self.originals[name] = fn
+            setattr(c10d_module, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        sig = self._signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            call_name, call_fn = name, fn
+            if self._injector is not None:
+                call_name, args, kwargs = self._injector.rewrite_collective(name, args, kwargs, self._get_step())
+                call_fn = self.originals.get(call_name, fn)
+            if not self._broken and sig is not None:
+                self._note(call_name, call_fn, args, kwargs)
+            return call_fn(*args, **kwargs)
+
+        wrapper.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
+        return wrapper
+
+    def _note(self, name: str, fn: Callable, args, kwargs) -> None:
+        try:
+            bound = self._signature(fn).bind_partial(*args, **kwargs).arguments
+            group = bound.get("group")
+            c10d = self._c10d
+            if group is None:
+                group = c10d._get_default_group()
+            if c10d._rank_not_in_group(group):
+                return  # non-members issue nothing, so no sequence number to key on
+            parts = []
+            op = bound.get("op")
+            if op is not None or name in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
+                parts.append(f"op={_op_name(op)}")
+            for key in _ROOT_ARGS:
+                if bound.get(key) is not None:
+                    parts.append(f"{key}={bound[key]}")
+            if not parts:
+                return
+            seq = int(group._get_sequence_number_for_group()) + 1
+            self.extras[(group.group_name, seq)] = " ".join(parts)
+            if len(self.extras) > _MAX_EXTRAS:
+                self.extras.popitem(last=False)
+        except Exception as exc:  # fail open: lose the extra detail, keep training untouched
+            self._broken = True
+            self._on_error(f"collective tap disabled: {exc!r}")
+
+    def _signature(self, fn: Callable):
+        try:
+            return self._sigs[fn]
+        except KeyError:
+            try:
+                sig = inspect.signature(fn)
+            except (TypeError, ValueError):
+                sig = None
+            self._sigs[fn] = sig
+            return sig
+
+    def pop_extra(self, pg_name: str, seq: int) -> str:
+        return self.extras.pop((pg_name, seq), "")
+
+
+def _op_name(op) -> str:
+    if op is None:
+        return "SUM"
+    text = str(op)
+    return text.rsplit(".", 1)[-1]

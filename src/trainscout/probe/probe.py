@@ -1,0 +1,134 @@
+"""The in-rank probe: started by the bootstrap, it wires the channel, hooks and publisher thread.
+
+It never raises into training code and never blocks it: the training thread only sets two header
+fields per optimizer step; everything else happens on the publisher thread. It adds no collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+from trainscout.channel.layout import stack_path
+from trainscout.channel.writer import ChannelWriter
+from trainscout.probe import exits
+from trainscout.probe.collectives import CollectiveTap
+from trainscout.probe.import_hooks import hooks
+from trainscout.probe.publisher import Publisher
+
+STACK_SIGNAL = signal.SIGRTMIN + 5  # the agent sends it to get a faulthandler stack dump
+
+_probe = None
+
+
+class Probe:
+    def __init__(self, run_id: str, rank: int, local_rank: int, world_size: int) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.pid = os.getpid()
+        self.step = 0
+        self._primary_optimizer = None
+        self.writer = ChannelWriter(run_id, rank, local_rank, world_size)
+        self.injector = self._load_injector()
+        self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
+        self.publisher = Publisher(self.writer, run_id, rank, self.tap, lambda: self.step,
+                                   tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.1")))
+
+    def _load_injector(self):
+        if not os.environ.get("TRAINSCOUT_INJECT"):
+            return None
+        from trainscout.faults.inject import FaultInjector
+
+        return FaultInjector.from_env(self.rank)
+
+    def _error(self, text: str) -> None:
+        try:
+            self.writer.set("error_text", text.encode(errors="replace")[:480])
+        except Exception:
+            pass
+
+    def start(self) -> None:
+        exits.install(self.writer, self.pid)
+        self._stack_file = open(stack_path(self.run_id, self.rank), "w")
+        faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
+        h = hooks()
+        h.on_import("torch.distributed.distributed_c10d", self._patch_c10d)
+        h.on_import("torch.optim.optimizer", self._hook_optimizer)
+        os.register_at_fork(after_in_child=self._forked_child)
+        self.publisher.start()
+        atexit.register(self._final_flush)
+
+    def _final_flush(self) -> None:
+        # Runs before the exit record (atexit is LIFO): publish the last collectives first.
+        if self.publisher is None or os.getpid() != self.pid:
+            return
+        try:
+            self.publisher.poll_collectives(force=True)
+        except Exception:
+            pass
+
+    def _forked_child(self) -> None:
+        # A forked child (DataLoader worker) shares the channel mapping but is not the rank.
+        self.publisher = None
+        try:
+            faulthandler.unregister(STACK_SIGNAL)
+        except Exception:
+            pass
+
+    def _patch_c10d(self, module) -> None:
+        try:
+            self.tap.patch(module)
+            real_init = module.init_process_group
+            probe = self
+
+            def init_process_group(*args, **kwargs):
+                result = real_init(*args, **kwargs)
+                if probe.injector is not None:
+                    probe.injector.on_init_process_group()
+                return result
+
+            init_process_group.__wrapped__ = real_init  # type: ignore[attr-defined]
+            init_process_group.__doc__ = real_init.__doc__
+            module.init_process_group = init_process_group
+        except Exception as exc:
+            self._error(f"torch.distributed patching failed: {exc!r}")
+
+    def _hook_optimizer(self, module) -> None:
+        try:
+            module.register_optimizer_step_post_hook(self._after_optimizer_step)
+        except Exception as exc:
+            self._error(f"optimizer hook failed: {exc!r}")
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        # Several optimizers may step per iteration; the first one seen defines the step boundary.
+        if self._primary_optimizer is None:
+            self._primary_optimizer = id(optimizer)
+        elif id(optimizer) != self._primary_optimizer:
+            return
+        if os.getpid() != self.pid:
+            return
+        self.step += 1
+        self.writer.set("step", self.step)
+        self.writer.set("step_ns", time.monotonic_ns())
+        if self.injector is not None:
+            self.injector.on_step_end(self.step)
+
+
+def start() -> Probe | None:
+    global _probe
+    if _probe is not None:
+        return _probe
+    if os.environ.get("TRAINSCOUT_PROBE_PID"):
+        return None  # a spawned child of a rank (e.g. a DataLoader worker) inherits RANK: not a rank
+    run_id = os.environ["TRAINSCOUT_RUN_ID"]
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ["TRAINSCOUT_PROBE_PID"] = str(os.getpid())
+    _probe = Probe(run_id, rank, local_rank, world_size)
+    _probe.start()
+    return _probe

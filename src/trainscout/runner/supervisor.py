@@ -1,0 +1,242 @@
+"""The process behind `trainscout run`: starts coordinator, agent and launcher, and ends them cleanly.
+
+The training launcher gets the probe through PYTHONPATH (a sitecustomize bootstrap); the agent and
+the coordinator run in their own sessions so a Ctrl-C reaches only this supervisor, which then stops
+the launcher first, lets the agent and coordinator record the end, and removes shared memory. If the
+agent or coordinator dies, training goes on and the run ends with a message that monitoring was lost.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from trainscout.channel.layout import remove_run_files
+from trainscout.findings import from_json
+from trainscout.runner.launcher_log import worker_exits
+from trainscout.sinks import ConsoleSink, EventLog, write_summary
+from trainscout.wire.endpoints import AgentEndpoint
+from trainscout.wire.messages import LauncherReport
+
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "probe", "bootstrap")
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class RunOptions:
+    command: list[str]
+    run_root: str = "runs"
+    run_id: str | None = None
+    inject: str = ""
+    hang_timeout_s: float = 5.0
+    stall_timeout_s: float = 300.0
+    abort_on: list[str] = field(default_factory=list)
+    coordinator_addr: str | None = None  # HOST:PORT; node 0 binds it, other nodes connect
+    serve_coordinator: bool = True
+    node_id: str | None = None
+    stack_method: str = "py-spy"
+    console: str = "auto"
+    fr_buffer: int = 2000
+    quiet_launcher: bool = False
+
+
+class Supervisor:
+    def __init__(self, opts: RunOptions, console: ConsoleSink | None = None) -> None:
+        self.opts = opts
+        self.console = console or ConsoleSink(sys.stderr, rich=False)
+        self.run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+        suffix = "" if opts.serve_coordinator else f"-{opts.node_id or 'node'}"
+        self.run_dir = os.path.abspath(os.path.join(opts.run_root, self.run_id + suffix))
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.events = EventLog(os.path.join(self.run_dir, "events.supervisor.jsonl"))
+        secret_hex = os.environ.get("TRAINSCOUT_SECRET")
+        if not secret_hex:
+            if not opts.serve_coordinator or opts.coordinator_addr:
+                raise SystemExit("trainscout: multi-node runs need the same secret on every node: "
+                                 "export TRAINSCOUT_SECRET=$(python -c 'import secrets;print(secrets.token_hex(32))')")
+            secret_hex = secrets.token_hex(32)
+        try:
+            self.secret = bytes.fromhex(secret_hex)
+        except ValueError:
+            raise SystemExit("trainscout: TRAINSCOUT_SECRET must be hex (e.g. 64 hex digits)")
+        if len(self.secret) < 16:
+            raise SystemExit("trainscout: TRAINSCOUT_SECRET must be at least 16 bytes (32 hex digits)")
+        self.secret_hex = secret_hex
+        self.coordinator: subprocess.Popen | None = None
+        self.agent: subprocess.Popen | None = None
+        self.launcher: subprocess.Popen | None = None
+        self.notes: list[str] = []
+        self._launcher_text: list[str] = []
+        self._interrupted = 0
+        self._lost: set[str] = set()
+        self.started = time.time()
+
+    # ---- start ----------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["TRAINSCOUT_SECRET"] = self.secret_hex
+        return env
+
+    def _start_coordinator(self) -> str:
+        bind = "tcp://127.0.0.1:0"
+        if self.opts.coordinator_addr:
+            host, _, port = self.opts.coordinator_addr.rpartition(":")
+            bind = f"tcp://{host or '0.0.0.0'}:{port}"
+        cmd = [sys.executable, "-m", "trainscout.coordinator", "--bind", bind, "--run-dir", self.run_dir,
+               "--hang-timeout", str(self.opts.hang_timeout_s), "--stall-timeout", str(self.opts.stall_timeout_s),
+               "--abort-on", ",".join(self.opts.abort_on), "--console", self.opts.console]
+        addr_file = os.path.join(self.run_dir, "coordinator.addr")
+        if os.path.exists(addr_file):
+            os.unlink(addr_file)
+        self.coordinator = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if os.path.exists(addr_file):
+                with open(addr_file) as fh:
+                    return fh.read().strip()
+            if self.coordinator.poll() is not None:
+                raise SystemExit(f"trainscout: the coordinator failed to start (exit {self.coordinator.returncode})")
+            time.sleep(0.05)
+        raise SystemExit("trainscout: the coordinator did not start within 30 s")
+
+    def _start_agent(self, address: str) -> None:
+        cmd = [sys.executable, "-m", "trainscout.agent", "--run-id", self.run_id, "--coordinator", address,
+               "--node-id", self.opts.node_id or os.uname().nodename, "--stack-method", self.opts.stack_method]
+        self.agent = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
+
+    def _launcher_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("TRAINSCOUT_SECRET", None)  # training code has no business holding the job secret
+        env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["TRAINSCOUT_RUN_ID"] = self.run_id
+        env["TRAINSCOUT_RUN_DIR"] = self.run_dir
+        env["TRAINSCOUT_PKG_PATH"] = PKG_PARENT
+        env.setdefault("TORCH_FR_BUFFER_SIZE", str(self.opts.fr_buffer))
+        if self.opts.inject:
+            env["TRAINSCOUT_INJECT"] = self.opts.inject
+        else:
+            env.pop("TRAINSCOUT_INJECT", None)
+        return env
+
+    def _pump(self, stream, out) -> None:
+        for line in iter(stream.readline, ""):
+            self._launcher_text.append(line)
+            if len(self._launcher_text) > 20000:
+                del self._launcher_text[:10000]
+            with open(os.path.join(self.run_dir, "launcher.log"), "a") as log:
+                log.write(line)
+            if not self.opts.quiet_launcher:
+                out.write(line)
+                out.flush()
+
+    # ---- run ------------------------------------------------------------------------------
+    def run(self) -> int:
+        if self.opts.serve_coordinator:
+            address = self._start_coordinator()
+        else:
+            host, _, port = (self.opts.coordinator_addr or "").rpartition(":")
+            address = f"tcp://{host}:{port}"
+        self.events.write("start", run_id=self.run_id, command=self.opts.command, coordinator=address)
+        self._start_agent(address)
+        self.console.info(f"run {self.run_id}: monitoring {' '.join(self.opts.command)}")
+        self.console.info(f"findings and report: {self.run_dir}")
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.launcher = subprocess.Popen(self.opts.command, env=self._launcher_env(), start_new_session=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                             errors="replace")
+        except OSError as exc:
+            self._shutdown_tools(None)
+            raise SystemExit(f"trainscout: cannot start {self.opts.command[0]!r}: {exc}")
+        pump = threading.Thread(target=self._pump, args=(self.launcher.stdout, sys.stdout), daemon=True)
+        pump.start()
+        code = self._wait_launcher()
+        pump.join(timeout=5)
+        self._report_launcher(address, code)
+        self._shutdown_tools(code)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        return code
+
+    def _on_signal(self, signum, frame) -> None:
+        self._interrupted += 1
+        if self.launcher is None or self.launcher.poll() is not None:
+            return
+        sig = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+        if self._interrupted >= 3:
+            sig = signal.SIGKILL
+        self.events.write("signal", signal=signum, forwarded=int(sig))
+        try:
+            os.killpg(self.launcher.pid, sig)
+        except OSError:
+            pass
+
+    def _wait_launcher(self) -> int:
+        while True:
+            try:
+                code = self.launcher.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                self._watch_tools()
+        # the launcher is gone; anything it left behind in its process group goes too
+        try:
+            os.killpg(self.launcher.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        return code
+
+    def _watch_tools(self) -> None:
+        for name, proc in (("coordinator", self.coordinator), ("agent", self.agent)):
+            if proc is not None and proc.poll() is not None and name not in self._lost:
+                self._lost.add(name)
+                note = (f"monitoring was lost: the {name} exited (code {proc.returncode}) at "
+                        f"{time.strftime('%H:%M:%S')}; training continued unmonitored")
+                self.notes.append(note)
+                self.console.warn(note)
+                self.events.write("monitoring_lost", component=name, code=proc.returncode)
+
+    def _report_launcher(self, address: str, code: int) -> None:
+        exits = worker_exits("".join(self._launcher_text))
+        ep = AgentEndpoint(address, self.secret, f"supervisor-{os.getpid()}")
+        ep.send(LauncherReport(node_id=self.opts.node_id or "", exit_code=code, worker_exits=exits))
+        time.sleep(0.3)
+        ep.close()
+        self.events.write("launcher_exit", code=code, workers=exits)
+
+    def _stop(self, proc: subprocess.Popen | None, timeout: float) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def _shutdown_tools(self, code: int | None) -> None:
+        self._watch_tools()
+        self._stop(self.agent, 5)
+        self._stop(self.coordinator, 8)
+        removed = remove_run_files(self.run_id)
+        self.events.write("cleanup", shm_files_removed=removed)
+        if self.opts.serve_coordinator:
+            self._write_summary(code)
+        for note in self.notes:
+            self.console.warn(note)
+
+    def _write_summary(self, code: int | None) -> None:
+        path = os.path.join(self.run_dir, "findings.jsonl")
+        findings = []
+        if os.path.exists(path):
+            with open(path, "rb") as fh:
+                findings = [from_json(line) for line in fh if line.strip()]
+        write_summary(os.path.join(self.run_dir, "summary.md"), run_id=self.run_id, command=self.opts.command,
+                      exit_code=code, findings=findings, notes=self.notes, started=self.started, ended=time.time())
+        n = len(findings)
+        self.console.info(f"{n} finding{'s' if n != 1 else ''}; report: {os.path.join(self.run_dir, 'summary.md')}")

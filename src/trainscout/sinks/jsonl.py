@@ -1,0 +1,97 @@
+"""Append-only JSON-lines files of a run: `findings.jsonl` and the event log.
+
+Findings are appended the moment they are emitted and flushed line by line, so a run that is killed
+(or a coordinator that crashes) still leaves every finding on disk; `trainscout report` and the tests
+read them back with `findings.from_json`. The event log records what trainscout itself did and saw
+(agents joining, commands sent, monitoring gaps) for debugging a run after the fact.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from trainscout.findings import Finding, to_json
+
+
+def _open_append(path: str | os.PathLike) -> Any:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "ab")
+
+
+class JsonlSink:
+    """One JSON line per finding, appended and flushed."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._file = _open_append(self.path)
+        self._lock = threading.Lock()
+
+    def finding(self, f: Finding) -> None:
+        line = to_json(f) + b"\n"
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> JsonlSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe copy of value: containers kept, anything unknown turned into its str()."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    try:
+        return msgspec.to_builtins(value)  # structs, dataclasses, enums, datetimes...
+    except Exception:
+        return str(value)
+
+
+class EventLog:
+    """Timestamped events, one JSON object per line: {"t": wall-clock seconds, "kind": ..., **fields}."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._file = _open_append(self.path)
+        # enc_hook covers the common case (a stray object) without copying every event.
+        self._encoder = msgspec.json.Encoder(enc_hook=str)
+        self._lock = threading.Lock()
+
+    def write(self, kind: str, **fields: Any) -> None:
+        event = {"t": time.time(), "kind": kind, **fields}
+        try:
+            line = self._encoder.encode(event)
+        except Exception:  # e.g. dict keys of an unsupported type: fall back to a sanitised copy
+            line = self._encoder.encode(_plain(event))
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(line + b"\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Typed, authenticated messages between agents, the run supervisor and the coordinator."""

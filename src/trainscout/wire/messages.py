@@ -1,0 +1,120 @@
+"""Message types on the agent <-> coordinator link (msgspec structs, msgpack-encoded, tagged union).
+
+Agents send one NodeDigest per interval: O(1) data per local rank, whatever the collective count.
+Detailed collective records stay on the agent; the coordinator pulls them (FetchRecords) only for the
+ranks and sequence ranges a verdict implicates. Ages are measured by the sender on its own monotonic
+clock, so no cross-host clock agreement is assumed.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class CollectiveRecord(msgspec.Struct, array_like=True):
+    seq: int  # per-process-group collective sequence number (1-based, as the Flight Recorder counts)
+    op: str  # e.g. "all_reduce"
+    desc: str  # human-readable signature: op, dtypes, shapes, reduce op, root
+    entry_hash: int  # 64-bit hash of this collective's protocol signature
+    rolling_hash: int  # 64-bit hash chained over every collective of this group up to seq
+    wall_ns: int  # wall-clock time the rank issued it (only compared within one host)
+    step: int  # optimizer steps completed when it was issued
+
+
+class PgState(msgspec.Struct, array_like=True):
+    name: str  # torch.distributed group name, identical on every member
+    desc: str
+    members: list[int]  # global ranks; empty = unknown
+    seq: int  # latest collective sequence number issued by this rank on this group
+    rolling_hash: int  # rolling hash at seq
+    anchors: list[tuple[int, int]]  # recent (seq, rolling_hash) at seq % ANCHOR_EVERY == 0
+    recent: list[CollectiveRecord]  # the last few records, newest last
+    seq_age_s: float  # seconds since this rank's seq on this group last changed
+
+
+class RankExit(msgspec.Struct, array_like=True):
+    how: str  # exit | exception | signal | vanished
+    code: int | None
+    signal: int | None
+    message: str
+    step: int
+    age_s: float  # seconds since the exit was observed
+
+
+class RankState(msgspec.Struct, array_like=True):
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    alive: bool
+    step: int
+    heartbeat_age_s: float  # seconds since the probe's publisher thread last ran
+    progress_age_s: float  # seconds since this rank last issued a collective or finished a step
+    collectives: int  # total collectives seen
+    pgs: list[PgState]
+    exit: RankExit | None = None
+    cpu_percent: float = 0.0
+    probe_errors: list[str] = []
+    fr_available: bool = True
+
+
+class Hello(msgspec.Struct, tag=True):
+    node_id: str
+    host: str
+    agent_pid: int
+
+
+class NodeDigest(msgspec.Struct, tag=True):
+    node_id: str
+    host: str
+    number: int  # increases by one per digest from this agent
+    ranks: list[RankState]
+
+
+class StackReport(msgspec.Struct, tag=True):
+    node_id: str
+    request_id: int
+    rank: int
+    pid: int
+    method: str  # py-spy | faulthandler | none
+    text: str
+
+
+class RecordsReport(msgspec.Struct, tag=True):
+    node_id: str
+    request_id: int
+    rank: int
+    pg: str
+    records: list[CollectiveRecord]
+
+
+class LauncherReport(msgspec.Struct, tag=True):
+    """From the run supervisor: what the launcher (torchrun) said about its workers when it ended."""
+
+    node_id: str
+    exit_code: int
+    worker_exits: list[tuple[int, int, int]]  # (global rank, exitcode as torchrun prints it, pid)
+
+
+class Goodbye(msgspec.Struct, tag=True):
+    node_id: str
+    reason: str
+
+
+class Command(msgspec.Struct, tag=True):
+    """Coordinator -> agent."""
+
+    kind: str  # dump_stacks | fetch_records | flush
+    request_id: int
+    ranks: list[int] = []
+    pg: str = ""
+    seq_from: int = 0
+    seq_to: int = 0
+
+
+ToCoordinator = Union[Hello, NodeDigest, StackReport, RecordsReport, LauncherReport, Goodbye]
+ToAgent = Command
+
+ANCHOR_EVERY = 16

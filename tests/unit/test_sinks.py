@@ -1,0 +1,144 @@
+"""Sinks write real streams and files: console text, findings.jsonl, the event log, the report."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+from trainscout.findings import Finding, from_json
+from trainscout.sinks import ConsoleSink, EventLog, JsonlSink, write_summary
+
+LONG_STACK = "\n".join(f'  File "train.py", line {i}, in frame_{i}' for i in range(60))
+
+
+def _hang() -> Finding:
+    return Finding(
+        kind="hang",
+        summary="rank 13 (host b-07, pid 4411) never entered all_reduce #9921 of pg dp; 15/16 ranks wait there",
+        culprit_ranks=[13],
+        step=812,
+        hosts=["b-07"],
+        pids=[4411],
+        devices=["cuda:5"],
+        pg="dp",
+        collective_seq=9921,
+        collective="all_reduce",
+        confidence=0.97,
+        evidence={"waiting": 15, "world": 16},
+        stacks={"13": 'Thread 4411 (idle)\n    __next__ (data.py:88)\n    train_step (train.py:40)', "2": LONG_STACK},
+        first_seen=time.time() - 5,
+        confirmed=time.time(),
+    )
+
+
+def _desync() -> Finding:
+    return Finding(
+        kind="desync",
+        summary="rank 3 issued broadcast | where peers issued all_reduce at seq 17 of pg 0",
+        culprit_ranks=[3],
+        status="inconclusive",
+        pg="0",
+        collective_seq=17,
+    )
+
+
+def test_console_plain_output_is_grep_friendly() -> None:
+    out = io.StringIO()
+    sink = ConsoleSink(out)  # StringIO is not a TTY -> plain text
+    assert not sink.is_rich
+    sink.finding(_hang())
+    sink.info("watching 16 ranks on 2 nodes")
+    sink.warn("agent on b-08 stopped reporting")
+    text = out.getvalue()
+    assert "\x1b" not in text
+    lines = text.splitlines()
+    assert lines[0] == f"HANG at step 812: {_hang().summary}"
+    assert any("culprit ranks: 13" in line and "b-07" in line and "4411" in line for line in lines)
+    assert any("pg dp" in line and "#9921" in line for line in lines)
+    assert any("attributed" in line and "0.97" in line for line in lines)
+    assert "        __next__ (data.py:88)" in lines  # stack lines keep their own indent
+    # Long stacks are cut to 25 lines with a note.
+    assert '      File "train.py", line 24, in frame_24' in lines
+    assert not any("frame_25" in line for line in lines)
+    assert any("35 more lines" in line for line in lines)
+    assert lines[-2] == "trainscout: watching 16 ranks on 2 nodes"
+    assert lines[-1].startswith("trainscout:") and "b-08" in lines[-1]
+
+
+def test_console_without_step_and_forced_rich() -> None:
+    out = io.StringIO()
+    ConsoleSink(out, rich=False).finding(_desync())
+    assert out.getvalue().splitlines()[0].startswith("DESYNC: rank 3")
+
+    out = io.StringIO()
+    sink = ConsoleSink(out, rich=True)
+    assert sink.is_rich
+    sink.finding(_hang())
+    assert "HANG at step 812" in out.getvalue()
+    assert "data.py:88" in out.getvalue()
+
+
+def test_jsonl_lines_decode_to_equal_findings(tmp_path) -> None:
+    path = tmp_path / "run" / "findings.jsonl"
+    findings = [_hang(), _desync()]
+    with JsonlSink(path) as sink:
+        for f in findings:
+            sink.finding(f)
+        # Flushed per line: readable before close.
+        assert len(path.read_bytes().splitlines()) == 2
+    assert [from_json(line) for line in path.read_bytes().splitlines()] == findings
+
+    # Appends, never truncates.
+    with JsonlSink(path) as sink:
+        sink.finding(_desync())
+    assert len(path.read_bytes().splitlines()) == 3
+
+
+def test_event_log_lines_are_json(tmp_path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    log.write("agent_joined", node="node-a", ranks=[0, 1])
+    log.write("odd", obj=object(), items={1, 2}, nested={(1, 2): "tuple key"})
+    log.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["agent_joined", "odd"]
+    assert events[0]["node"] == "node-a" and events[0]["ranks"] == [0, 1]
+    assert all(isinstance(e["t"], float) for e in events)
+    assert "object" in events[1]["obj"]
+
+
+def test_summary_mentions_each_finding(tmp_path) -> None:
+    path = tmp_path / "report.md"
+    started = time.time() - 125
+    write_summary(
+        path,
+        run_id="run-1",
+        command=["torchrun", "--nproc-per-node", "8", "train.py"],
+        exit_code=1,
+        findings=[_hang(), _desync()],
+        notes=["monitoring was lost at 12:00:03 for node b-08"],
+        started=started,
+        ended=started + 125,
+    )
+    text = path.read_text()
+    assert "run-1" in text
+    assert "torchrun --nproc-per-node 8 train.py" in text
+    assert "2m 05s" in text
+    assert "No findings." not in text
+    assert _hang().summary in text
+    assert "broadcast \\| where" in text  # escaped inside the table
+    assert "data.py:88" in text and "frame_59" in text  # stacks in full in the report
+    assert "monitoring was lost" in text
+    assert "**hang**" in text and "**desync**" in text
+
+
+def test_summary_without_findings(tmp_path) -> None:
+    path = tmp_path / "report.md"
+    write_summary(
+        path, run_id="run-2", command=["python", "train.py"], exit_code=0,
+        findings=[], notes=[], started=1.0, ended=2.5,
+    )
+    text = path.read_text()
+    assert "No findings." in text
+    assert "Exit code: 0" in text
