@@ -93,8 +93,11 @@ class Agent:
         self.send(Hello(node_id=self.node_id, host=self.host, agent_pid=os.getpid()))
         next_discover = 0.0
         next_digest = 0.0
+        parent = os.getppid()
         while not self.stop.is_set():
             now = time.monotonic()
+            if os.getppid() != parent:
+                break  # the supervisor is gone (killed hard): do not linger as an orphan
             if now >= next_discover:
                 self.discover()
                 next_discover = now + 1.0

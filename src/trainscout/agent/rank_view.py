@@ -11,22 +11,68 @@ import psutil
 
 from trainscout.channel.layout import pg_table_path
 from trainscout.channel.reader import ChannelReader
+from trainscout.probe import protocol
 from trainscout.wire.messages import ANCHOR_EVERY, CollectiveRecord, PgState, RankExit, RankState
 
 RECENT_IN_DIGEST = 4
 KEEP_RECORDS = 4096
 
 
+GAP_GIVE_UP_S = 3.0
+
+
 class PgTrack:
+    """One rank's collectives on one group, put in sequence order and chained into a rolling hash.
+
+    Records can arrive out of order (the Python path records before the call, the Flight Recorder path
+    a little later); a record waits in `pending` until every earlier one is in. A gap that never fills
+    (the recorder overwrote entries) makes this rank's chain incomparable: `complete` turns False.
+    """
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.desc = ""
         self.members: list[int] = []
-        self.seq = 0
+        self.seq = 0  # highest seq seen
+        self.chained_seq = 0
         self.rolling = 0
+        self.complete = True
         self.changed_ns = time.monotonic_ns()
         self.anchors: deque[tuple[int, int]] = deque(maxlen=8)
         self.records: deque[CollectiveRecord] = deque(maxlen=KEEP_RECORDS)
+        self.pending: dict[int, CollectiveRecord] = {}
+        self._gap_since_ns = 0
+
+    def add(self, record: CollectiveRecord) -> None:
+        if record.seq <= self.chained_seq or record.seq in self.pending:
+            return
+        self.pending[record.seq] = record
+        if record.seq > self.seq:
+            self.seq = record.seq
+            self.changed_ns = time.monotonic_ns()
+        self._chain()
+
+    def _chain(self) -> None:
+        while self.chained_seq + 1 in self.pending:
+            rec = self.pending.pop(self.chained_seq + 1)
+            self.rolling = protocol.chain(self.rolling, rec.entry_hash)
+            rec.rolling_hash = self.rolling
+            self.chained_seq = rec.seq
+            self.records.append(rec)
+            if rec.seq % ANCHOR_EVERY == 0:
+                self.anchors.append((rec.seq, rec.rolling_hash))
+        self._gap_since_ns = time.monotonic_ns() if self.pending else 0
+
+    def check_gap(self, now_ns: int) -> None:
+        """Give up on a gap that stayed open: continue the chain without the missing records."""
+        if self.pending and self._gap_since_ns and now_ns - self._gap_since_ns > GAP_GIVE_UP_S * 1e9:
+            self.complete = False
+            self.chained_seq = min(self.pending) - 1
+            self._chain()
+
+    def recent(self, n: int) -> list[CollectiveRecord]:
+        chained = list(self.records)[-n:] if n else []
+        return chained + [self.pending[s] for s in sorted(self.pending)][:n]
 
 
 class RankView:
@@ -57,6 +103,9 @@ class RankView:
             self._load_pg_table(int(h["pg_table_version"]))
         for rec in self.reader.new_records():
             self._ingest(rec)
+        now = time.monotonic_ns()
+        for track in self.pgs.values():
+            track.check_gap(now)
         if self.exit is None:
             self._check_exit(h)
 
@@ -80,7 +129,7 @@ class RankView:
             self._load_pg_table(self._pg_table_version)
             name = self._index_to_name.get(idx, f"#{idx}")
         track = self.pgs.setdefault(name, PgTrack(name))
-        record = CollectiveRecord(
+        track.add(CollectiveRecord(
             seq=int(rec["seq"]),
             op=rec["op"].decode(errors="replace"),
             desc=rec["desc"].decode(errors="replace"),
@@ -88,13 +137,7 @@ class RankView:
             rolling_hash=int(rec["rolling_hash"]),
             wall_ns=int(rec["wall_ns"]),
             step=int(rec["step"]),
-        )
-        track.records.append(record)
-        track.seq = record.seq
-        track.rolling = record.rolling_hash
-        track.changed_ns = time.monotonic_ns()
-        if record.seq % ANCHOR_EVERY == 0:
-            track.anchors.append((record.seq, record.rolling_hash))
+        ))
 
     def _check_exit(self, h) -> None:
         alive, zombie_status = _process_state(self._process)
@@ -136,11 +179,14 @@ class RankView:
                              age_s=(now - self._exit_seen_ns) / 1e9)
         pgs = [
             PgState(name=t.name, desc=t.desc, members=t.members, seq=t.seq, rolling_hash=t.rolling,
-                    anchors=list(t.anchors), recent=list(t.records)[-RECENT_IN_DIGEST:],
-                    seq_age_s=(now - t.changed_ns) / 1e9)
+                    anchors=list(t.anchors), recent=t.recent(RECENT_IN_DIGEST),
+                    seq_age_s=(now - t.changed_ns) / 1e9, chained_seq=t.chained_seq, complete=t.complete)
             for t in self.pgs.values()
         ]
         errors = [h["error_text"].decode(errors="replace")] if h["error_text"] else []
+        if int(h["sig_mismatch"]):
+            errors.append("the Python collective path described a collective differently from the Flight "
+                          "Recorder (protocol checks may misfire; please report)")
         return RankState(
             rank=int(h["rank"]), local_rank=int(h["local_rank"]), world_size=int(h["world_size"]),
             pid=int(h["pid"]), alive=self.exit is None, step=int(h["step"]),
@@ -154,7 +200,8 @@ class RankView:
         track = self.pgs.get(pg)
         if track is None:
             return []
-        return [r for r in track.records if seq_from <= r.seq <= seq_to]
+        known = list(track.records) + list(track.pending.values())
+        return sorted((r for r in known if seq_from <= r.seq <= seq_to), key=lambda r: r.seq)
 
     def close(self) -> None:
         self.reader.close()

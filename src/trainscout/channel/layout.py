@@ -37,6 +37,7 @@ HEADER_DTYPE = np.dtype(
         ("fr_available", "<i8"),
         ("disabled_checks", "<i8"),  # bitmask of checks that failed and were turned off (fail open)
         ("dropped", "<i8"),  # records the Flight Recorder overwrote before the probe read them
+        ("sig_mismatch", "<i8"),  # Python-path signatures that differed from the Flight Recorder's (self-check)
         # written by the training thread (optimizer step hook)
         ("step", "<i8"),
         ("step_ns", "<i8"),
@@ -58,7 +59,7 @@ RECORD_DTYPE = np.dtype(
         ("pg_index", "<i8"),
         ("seq", "<i8"),
         ("entry_hash", "<u8"),
-        ("rolling_hash", "<u8"),
+        ("rolling_hash", "<u8"),  # 0 here: the agent chains records in sequence order
         ("wall_ns", "<i8"),
         ("step", "<i8"),
         ("op", "S24"),

@@ -61,7 +61,7 @@ class Coordinator:
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
         self.hang = HangDetector(hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s)
         self.desync = DesyncDetector()
-        self.exits = ExitDetector()
+        self.exits = ExitDetector(blocked_s=hang_timeout_s)
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
         self.agent_silence_s = agent_silence_s
@@ -234,7 +234,10 @@ class Coordinator:
     # ---- main loop ------------------------------------------------------------------------
     def run(self, detect_every_s: float = 0.25) -> None:
         next_detect = 0.0
+        parent = os.getppid()
         while not self.stop:
+            if os.getppid() != parent:
+                break  # the supervisor is gone (killed hard): do not linger as an orphan
             got = self.endpoint.recv(50)
             now = time.monotonic()
             if got is not None:

@@ -33,19 +33,27 @@ class DesyncDetector:
     def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
         findings: list[Finding] = []
         fetches: list[FetchRequest] = []
-        for name, members, known in _histories(ranks):
+        for name, members, known, records in _histories(ranks):
             if name in self._done or name in self._pending:
                 continue
-            common = set.intersection(*(set(k) for k in known.values()))
+            low = self._agreed.get(name, 0) + 1
+            # Direct check: the newest records every member has (chained or not) must have equal hashes.
+            finding = first_deviation(name, _desc(ranks, name), records, low, 1 << 62, complete_only=True)
+            if finding is not None:
+                self._done.add(name)
+                findings.append(finding)
+                continue
+            comparable = {r: h for r, h in known.items() if h is not None}
+            if len(comparable) < 2:
+                continue
+            common = set.intersection(*(set(k) for k in comparable.values()))
             if not common:
                 continue
             top = max(common)
-            verdict = vote_exact({r: known[r][top] for r in known})
+            verdict = vote_exact({r: comparable[r][top] for r in comparable})
             if verdict.status == "agree":
                 self._agreed[name] = max(self._agreed.get(name, 0), top)
                 continue
-            low = self._agreed.get(name, 0) + 1
-            records = {r: _recent(ranks[r], name) for r in known}
             covered = all(recs and recs[0].seq <= low for recs in records.values())
             finding = first_deviation(name, _desc(ranks, name), records, low, top) if covered else None
             if finding is not None:
@@ -65,7 +73,12 @@ class DesyncDetector:
 
 
 def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRecord]], low: int, high: int,
-                    pulled: bool = False) -> Finding | None:
+                    pulled: bool = False, complete_only: bool = False) -> Finding | None:
+    """The first seq in [low, high] where members' records differ, as a finding (None if none found).
+
+    complete_only: only look at seqs every member has a record of (the digest's recent window), and
+    give up at the first seq someone lacks rather than asking for a pull.
+    """
     by_seq: dict[int, dict[int, CollectiveRecord]] = {}
     for rank, recs in records.items():
         for rec in recs:
@@ -74,7 +87,7 @@ def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRec
     for seq in sorted(by_seq):
         at = by_seq[seq]
         if len(at) < len(records):
-            if pulled:
+            if pulled or complete_only:
                 continue
             return None  # not every member's record of this seq is at hand: pull them
         verdict = vote_exact({r: rec.entry_hash for r, rec in at.items()})
@@ -118,25 +131,30 @@ def _difference(odd: str, usual: str) -> str:
 
 
 def _histories(ranks: dict[int, RankObs]):
-    """(pg, members, {rank: {seq: rolling hash}}) per group, from latest, anchors and recent records."""
+    """(pg, members, {rank: {seq: rolling hash} or None if its chain is broken}, {rank: recent records})."""
     groups: dict[str, list[int]] = {}
     for o in ranks.values():
         for pg in o.state.pgs:
             if pg.members and pg.name not in groups:
                 groups[pg.name] = pg.members
     for name, members in groups.items():
-        known: dict[int, dict[int, int]] = {}
+        known: dict[int, dict[int, int] | None] = {}
+        records: dict[int, list[CollectiveRecord]] = {}
         for r in members:
             o = ranks.get(r)
             pg = o.pg(name) if o is not None else None
             if pg is None or pg.seq == 0:
                 continue
+            records[r] = list(pg.recent)
+            if not pg.complete or pg.chained_seq == 0:
+                known[r] = None
+                continue
             hist = dict(pg.anchors)
-            hist.update({rec.seq: rec.rolling_hash for rec in pg.recent})
-            hist[pg.seq] = pg.rolling_hash
+            hist.update({rec.seq: rec.rolling_hash for rec in pg.recent if rec.rolling_hash})
+            hist[pg.chained_seq] = pg.rolling_hash
             known[r] = hist
         if len(known) >= 2 and len(known) == len([m for m in members if m in ranks]):
-            yield name, members, known
+            yield name, members, known, records
 
 
 def _recent(o: RankObs, name: str) -> list[CollectiveRecord]:

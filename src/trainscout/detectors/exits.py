@@ -54,8 +54,9 @@ def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
 
 
 class ExitDetector:
-    def __init__(self, settle_s: float = 1.0, max_wait_s: float = 4.0) -> None:
+    def __init__(self, settle_s: float = 1.0, max_wait_s: float = 4.0, blocked_s: float = 5.0) -> None:
         self.settle_s = settle_s
+        self.blocked_s = blocked_s
         self.max_wait_s = max_wait_s
         self.done = False
 
@@ -71,7 +72,7 @@ class ExitDetector:
         own = [o for o in abnormal if not is_collateral(o, launcher_codes)]
         first_abnormal_at = abnormal[0].exited_at() if abnormal else None
 
-        early = self._early_exits(exited, ranks, abnormal, first_abnormal_at)
+        early = self._early_exits(now, exited, ranks, abnormal, first_abnormal_at)
         if early:
             self.done = True
             return [self._early_finding(early, ranks, exited)]
@@ -93,18 +94,22 @@ class ExitDetector:
             finding.status, finding.culprit_ranks, finding.confidence = "inconclusive", [], 0.4
         return [finding]
 
-    def _early_exits(self, exited, ranks, abnormal, first_abnormal_at) -> list[RankObs]:
+    def _early_exits(self, now, exited, ranks, abnormal, first_abnormal_at) -> list[RankObs]:
+        """Clean exits while peers still had work: they passed its step; or they issued collectives it
+        never issued and then failed, or stayed blocked for `blocked_s` after it left."""
         clean = [o for o in exited if o.state.exit.how == "exit" and o.state.exit.code in (0, None)
                  and (first_abnormal_at is None or o.exited_at() <= first_abnormal_at)]
         early = []
         for o in clean:
             others = [p for p in ranks.values() if p.rank != o.rank and
                       (p.state.exit is None or p.exited_at() > o.exited_at())]
-            if not others:
+            if any(p.state.step > o.state.step for p in others):
+                early.append(o)
                 continue
-            went_on = any(p.state.step > o.state.step or _issued_more(p, o) for p in others)
-            peers_failed = any(p in abnormal for p in others)
-            if went_on or peers_failed:
+            waiting = [p for p in others if _issued_more(p, o)]
+            failed = any(p in abnormal for p in waiting)
+            blocked = any(p.state.alive and now - o.exited_at() >= self.blocked_s for p in waiting)
+            if failed or blocked:
                 early.append(o)
         return early
 
@@ -115,8 +120,12 @@ class ExitDetector:
         after = [o for o in exited if o.rank not in culprits]
         lead = who(first) if len(early) == 1 else rank_list(culprits)
         max_step = max(ranks[r].state.step for r in others) if others else first.state.step
+        if max_step > first.state.step:
+            went_on = f"went on to step {max_step}"
+        else:
+            went_on = "still had collectives to run"
         summary = (f"{lead} exited cleanly (code {first.state.exit.code or 0}) after step {first.state.step} "
-                   f"while {rank_list(others)} went on (to step {max_step})")
+                   f"while {rank_list(others)} {went_on}")
         if after:
             summary += f"; {len(after)} rank(s) then failed because of it"
         return Finding(

@@ -55,7 +55,10 @@ class HangDetector:
                 continue
             majority = verdict.majority_value
             for r in verdict.outliers:
-                (behind if seqs[r] < majority else ahead).setdefault(r, []).append((name, majority))
+                if seqs[r] < majority:
+                    behind.setdefault(r, []).append((name, majority))
+                else:
+                    ahead.setdefault(r, []).append((name, seqs[r]))
         if not behind and not unattributed and not ahead:
             if quiet >= self.stall_timeout_s:
                 self._reported_this_quiet = True

@@ -2,7 +2,10 @@
 
 The Flight Recorder sees every collective but not its reduce op or root; these wrappers add that
 for collectives issued from Python, keyed by (group name, the sequence number the call will get),
-and give fault injection its hook. They never change what the call does unless a fault is planned.
+and give fault injection its hook. For the common single-tensor collectives they also put the record
+in the channel before issuing the call, described exactly as the Flight Recorder would describe it
+(the publisher checks that and counts differences): a call that then hangs, or aborts its process,
+is already on record. They never change what the call does unless a fault is planned.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import functools
 import inspect
 from collections import OrderedDict
 from typing import Callable
+
+from trainscout.probe import protocol
 
 WRAPPED = (
     "all_reduce",
@@ -28,10 +33,13 @@ WRAPPED = (
 )
 _ROOT_ARGS = ("src", "dst", "group_src", "group_dst")
 _MAX_EXTRAS = 8192
+_SYNC_RECORDED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor"}
 
 
 class CollectiveTap:
-    def __init__(self, get_step: Callable[[], int], injector=None, on_error: Callable[[str], None] = print) -> None:
+    def __init__(self, get_step: Callable[[], int], injector=None, on_error: Callable[[str], None] = print,
+                 record_sync: Callable | None = None) -> None:
+        self.record_sync = record_sync
         self.extras: "OrderedDict[tuple[str, int], str]" = OrderedDict()
         self._get_step = get_step
         self._injector = injector
@@ -76,6 +84,7 @@ class CollectiveTap:
                 group = c10d._get_default_group()
             if c10d._rank_not_in_group(group):
                 return  # non-members issue nothing, so no sequence number to key on
+            seq = int(group._get_sequence_number_for_group()) + 1
             parts = []
             op = bound.get("op")
             if op is not None or name in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
@@ -83,15 +92,25 @@ class CollectiveTap:
             for key in _ROOT_ARGS:
                 if bound.get(key) is not None:
                     parts.append(f"{key}={bound[key]}")
-            if not parts:
-                return
-            seq = int(group._get_sequence_number_for_group()) + 1
-            self.extras[(group.group_name, seq)] = " ".join(parts)
-            if len(self.extras) > _MAX_EXTRAS:
-                self.extras.popitem(last=False)
+            extra = " ".join(parts)
+            if extra:
+                self.extras[(group.group_name, seq)] = extra
+                if len(self.extras) > _MAX_EXTRAS:
+                    self.extras.popitem(last=False)
+            tensor_arg = _SYNC_RECORDED.get(name)
+            if tensor_arg and self.record_sync is not None and bound.get(tensor_arg) is not None:
+                self._record_now(name, group.group_name, seq, bound[tensor_arg], extra)
         except Exception as exc:  # fail open: lose the extra detail, keep training untouched
             self._broken = True
             self._on_error(f"collective tap disabled: {exc!r}")
+
+    def _record_now(self, op: str, pg_name: str, seq: int, tensor, extra: str) -> None:
+        dtype = _recorder_dtype(tensor)
+        if dtype is None:
+            return  # the publisher will record it from the Flight Recorder
+        sizes = [list(tensor.shape)]
+        sig = protocol.signature(op, sizes, [dtype], sizes, [dtype], extra)
+        self.record_sync(pg_name, seq, op, sig, protocol.describe(op, sizes, [dtype], extra))
 
     def _signature(self, fn: Callable):
         try:
@@ -106,6 +125,16 @@ class CollectiveTap:
 
     def pop_extra(self, pg_name: str, seq: int) -> str:
         return self.extras.pop((pg_name, seq), "")
+
+
+def _recorder_dtype(tensor) -> str | None:
+    """The scalar type name the Flight Recorder prints ('Float', 'BFloat16', ...)."""
+    try:
+        name = tensor.type()  # 'torch.FloatTensor', 'torch.cuda.BFloat16Tensor'
+    except Exception:
+        return None
+    name = name.rsplit(".", 1)[-1]
+    return name[: -len("Tensor")] if name.endswith("Tensor") else None
 
 
 def _op_name(op) -> str:

@@ -37,6 +37,7 @@ class Probe:
         self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
         self.publisher = Publisher(self.writer, run_id, rank, self.tap, lambda: self.step,
                                    tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.1")))
+        self.tap.record_sync = self.publisher.record_sync
 
     def _load_injector(self):
         if not os.environ.get("TRAINSCOUT_INJECT"):
@@ -94,6 +95,16 @@ class Probe:
             init_process_group.__wrapped__ = real_init  # type: ignore[attr-defined]
             init_process_group.__doc__ = real_init.__doc__
             module.init_process_group = init_process_group
+
+            real_destroy = module.destroy_process_group
+
+            def destroy_process_group(*args, **kwargs):
+                probe._final_flush()  # after this the recorder of these groups is gone
+                return real_destroy(*args, **kwargs)
+
+            destroy_process_group.__wrapped__ = real_destroy  # type: ignore[attr-defined]
+            destroy_process_group.__doc__ = real_destroy.__doc__
+            module.destroy_process_group = destroy_process_group
         except Exception as exc:
             self._error(f"torch.distributed patching failed: {exc!r}")
 

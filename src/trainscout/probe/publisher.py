@@ -1,9 +1,12 @@
 """The probe's background thread: heartbeat, Flight Recorder polling, protocol records into the channel.
 
-It is the only writer of most header fields and of the ring. It reads the Flight Recorder's cheap
-status every tick and dumps entries only when a sequence number moved, at most `max_dumps_per_s`.
-A failure disables the collective check (fail open) and is reported in the header; the heartbeat
-goes on, so the agent can still tell a live rank from a frozen one.
+It writes most header fields and appends the records of collectives the Flight Recorder reports. The
+Python collective wrappers append records too, synchronously and before the call, so a collective that
+hangs or aborts its process is already on record; a lock keeps the two appenders apart. Records may
+reach the ring out of sequence order: the agent orders and chains them. The publisher reads the Flight
+Recorder's cheap status every tick and dumps entries only when a sequence number moved, at most
+`max_dumps_per_s`. A failure disables the collective check (fail open) and is reported in the header;
+the heartbeat goes on, so the agent can still tell a live rank from a frozen one.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 
 from trainscout.channel.layout import pg_table_path
 from trainscout.channel.writer import ChannelWriter
@@ -20,6 +24,7 @@ from trainscout.probe import flight_recorder as fr
 from trainscout.probe import protocol
 
 CHECK_COLLECTIVES = 1
+_KEEP_SYNCED = 4096
 
 
 class Publisher(threading.Thread):
@@ -34,15 +39,18 @@ class Publisher(threading.Thread):
         self.tick_s = tick_s
         self.min_dump_gap_ns = int(1e9 / max_dumps_per_s)
         self.stop_event = threading.Event()
+        self.lock = threading.Lock()
+        self._poll_lock = threading.Lock()
         self._last_status: dict[str, int] = {}
         self._dirty = False
         self._last_dump_ns = 0
         self._last_record_id = -1
         self._pg_index: dict[str, int] = {}
-        self._rolling: dict[str, int] = {}
-        self._last_seq: dict[str, int] = {}
-        self._pg_config_keys: frozenset = frozenset()
+        self._recorded: dict[str, int] = {}  # pg -> highest seq ingested from the Flight Recorder
+        self._synced: "OrderedDict[tuple[str, int], int]" = OrderedDict()  # written by the wrappers
+        self._pg_table_keys: frozenset = frozenset()
         self._collectives = 0
+        self._mismatch = 0
         self._collectives_ok = True
 
     def run(self) -> None:
@@ -58,6 +66,10 @@ class Publisher(threading.Thread):
                     w.set("error_text", f"collective tracking disabled: {exc!r}".encode()[:480])
 
     def poll_collectives(self, force: bool = False) -> None:
+        with self._poll_lock:  # the training thread flushes too, at destroy_process_group and exit
+            self._poll(force)
+
+    def _poll(self, force: bool) -> None:
         if not (fr.available() and fr.dist_initialized()):
             return
         self.writer.set("fr_available", 1)
@@ -72,11 +84,32 @@ class Publisher(threading.Thread):
             entries, _ = fr.entries()
             self._ingest(entries)
 
+    def record_sync(self, pg_name: str, seq: int, op: str, sig: tuple, desc: str) -> None:
+        """Called by the Python wrapper before it issues the collective (training thread)."""
+        h = protocol.entry_hash(sig)
+        with self.lock:
+            idx = self._index_of(pg_name)
+            self._synced[(pg_name, seq)] = h
+            if len(self._synced) > _KEEP_SYNCED:
+                self._synced.popitem(last=False)
+            self.writer.append(idx, seq, h, 0, time.time_ns(), self.get_step(), op, desc)
+            self._collectives += 1
+            self.writer.set("collectives", self._collectives)
+            self.writer.set("progress_ns", time.monotonic_ns())
+
+    def _index_of(self, pg_name: str) -> int:
+        idx = self._pg_index.get(pg_name)
+        if idx is None:
+            idx = self._pg_index[pg_name] = len(self._pg_index)
+            self._write_pg_table()
+        return idx
+
     def _ingest(self, entries: list[dict]) -> None:
         keys = frozenset(self._last_status)
-        if keys != self._pg_config_keys:
-            self._pg_config_keys = keys
-            self._write_pg_table()
+        if keys != self._pg_table_keys:
+            self._pg_table_keys = keys
+            with self.lock:
+                self._write_pg_table()
         w = self.writer
         new = [e for e in entries if e.get("record_id", -1) > self._last_record_id]
         if not new:
@@ -86,44 +119,54 @@ class Publisher(threading.Thread):
             w.set("dropped", int(w.header["dropped"]) + first_id - self._last_record_id - 1)
         self._last_record_id = new[-1]["record_id"]
         step = self.get_step()
+        appended = 0
         for e in new:
             if e.get("is_p2p"):
                 continue  # point-to-point pairs are not equal across group members
             pg_name = str(e["process_group"][0])
             seq = int(e["collective_seq_id"])
-            if seq <= self._last_seq.get(pg_name, 0):
+            if seq <= self._recorded.get(pg_name, 0):
                 continue
-            self._last_seq[pg_name] = seq
+            self._recorded[pg_name] = seq
             op = protocol.op_name(e["profiling_name"])
             extra = self.tap.pop_extra(pg_name, seq) if self.tap is not None else ""
             sig = protocol.signature(op, e["input_sizes"], e["input_dtypes"], e["output_sizes"],
                                      e["output_dtypes"], extra)
             h = protocol.entry_hash(sig)
-            rolling = protocol.chain(self._rolling.get(pg_name, 0), h)
-            self._rolling[pg_name] = rolling
-            idx = self._pg_index.setdefault(pg_name, len(self._pg_index))
-            desc = protocol.describe(op, e["input_sizes"], e["input_dtypes"], extra)
-            w.append(idx, seq, h, rolling, int(e.get("time_created_ns") or 0), step, op, desc)
-            self._collectives += 1
-        w.set("collectives", self._collectives)
-        w.set("progress_ns", time.monotonic_ns())
+            with self.lock:
+                synced = self._synced.pop((pg_name, seq), None)
+                if synced is not None:
+                    if synced != h:  # the Python path must describe a collective exactly as the recorder does
+                        self._mismatch += 1
+                        w.set("sig_mismatch", self._mismatch)
+                    continue
+                idx = self._index_of(pg_name)
+                desc = protocol.describe(op, e["input_sizes"], e["input_dtypes"], extra)
+                w.append(idx, seq, h, 0, int(e.get("time_created_ns") or 0), step, op, desc)
+                self._collectives += 1
+                appended += 1
+        if appended:
+            with self.lock:
+                w.set("collectives", self._collectives)
+                w.set("progress_ns", time.monotonic_ns())
 
     def _write_pg_table(self) -> None:
         # The Flight Recorder's own pg_config is not reliable on every backend; torch's Python-side
         # registry is authoritative for names and members.
-        c10d = sys.modules["torch.distributed.distributed_c10d"]
-        world = c10d._world
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
         table = {}
-        for pg, name in list(world.pg_names.items()):
-            members = sorted(int(r) for r in world.pg_group_ranks.get(pg, {}))
-            desc = getattr(pg, "group_desc", "") or ""
-            table[str(name)] = {"desc": str(desc), "members": members}
+        if c10d is not None:
+            world = c10d._world
+            for pg, name in list(world.pg_names.items()):
+                members = sorted(int(r) for r in world.pg_group_ranks.get(pg, {}))
+                desc = getattr(pg, "group_desc", "") or ""
+                table[str(name)] = {"desc": str(desc), "members": members}
         # the ring stores a pg index; the agent maps it back through this order
         for name in table:
             self._pg_index.setdefault(name, len(self._pg_index))
-        doc = {"index": self._pg_index, "groups": table}
+        doc = {"index": dict(self._pg_index), "groups": table}
         path = pg_table_path(self.run_id, self.rank)
-        tmp = path + ".tmp"
+        tmp = f"{path}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as fh:
             json.dump(doc, fh)
         os.replace(tmp, path)

@@ -17,7 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from trainscout.channel.layout import remove_run_files
+from trainscout.channel.layout import list_channels, remove_run_files
+from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
 from trainscout.runner.launcher_log import worker_exits
 from trainscout.sinks import ConsoleSink, EventLog, write_summary
@@ -223,12 +224,26 @@ class Supervisor:
         self._watch_tools()
         self._stop(self.agent, 5)
         self._stop(self.coordinator, 8)
+        self._kill_leftover_ranks()
         removed = remove_run_files(self.run_id)
         self.events.write("cleanup", shm_files_removed=removed)
         if self.opts.serve_coordinator:
             self._write_summary(code)
         for note in self.notes:
             self.console.warn(note)
+
+    def _kill_leftover_ranks(self) -> None:
+        """Ranks that outlived their launcher (own session, ignored signals) must not run on unseen."""
+        for rank, path in list_channels(self.run_id).items():
+            try:
+                pid = int(ChannelReader(path).header()["pid"])
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    if f"TRAINSCOUT_RUN_ID={self.run_id}".encode() not in fh.read().split(b"\0"):
+                        continue  # the pid was reused by an unrelated process
+                os.kill(pid, signal.SIGKILL)
+                self.events.write("killed_leftover_rank", rank=rank, pid=pid)
+            except (OSError, ValueError):
+                continue
 
     def _write_summary(self, code: int | None) -> None:
         path = os.path.join(self.run_dir, "findings.jsonl")

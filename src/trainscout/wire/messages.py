@@ -27,11 +27,13 @@ class PgState(msgspec.Struct, array_like=True):
     name: str  # torch.distributed group name, identical on every member
     desc: str
     members: list[int]  # global ranks; empty = unknown
-    seq: int  # latest collective sequence number issued by this rank on this group
-    rolling_hash: int  # rolling hash at seq
+    seq: int  # highest collective sequence number this rank issued on this group
+    rolling_hash: int  # rolling hash at chained_seq
     anchors: list[tuple[int, int]]  # recent (seq, rolling_hash) at seq % ANCHOR_EVERY == 0
-    recent: list[CollectiveRecord]  # the last few records, newest last
+    recent: list[CollectiveRecord]  # the last few records by seq, newest last (rolling_hash 0: not chained yet)
     seq_age_s: float  # seconds since this rank's seq on this group last changed
+    chained_seq: int = 0  # every record up to here is known, so rolling_hash covers them all
+    complete: bool = True  # False once records were lost: rolling hashes of this rank are not comparable
 
 
 class RankExit(msgspec.Struct, array_like=True):
