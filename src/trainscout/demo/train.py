@@ -4,7 +4,8 @@ It is deliberately an ordinary DDP script (torchrun env vars, gloo, DistributedS
 trainscout import, so the demo proves trainscout attaches to unmodified code. Besides DDP's own gradient
 all-reduces (issued from C++), every step issues one Python-level all-reduce of the loss for logging, as real
 scripts do; that is the collective a desync fault rewrites. --pause-at and --slow-ms create legitimate
-job-wide pauses and slowness, which the detectors must NOT report as a faulty rank.
+job-wide pauses and slowness, which the detectors must NOT report as a faulty rank. --timing-file gives
+benchmarks/overhead.py per-step wall times measured inside the job, free of start-up and shutdown costs.
 
     torchrun --nproc-per-node 4 -m trainscout.demo.train --steps 100
 """
@@ -69,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR")
     parser.add_argument("--slow-ms", type=float, default=0.0, help="every rank sleeps this long each step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timing-file", default=None, metavar="PATH",
+                        help="rank 0 writes each step's wall seconds here, one per line, after training")
     return parser.parse_args(argv)
 
 
@@ -114,7 +117,10 @@ def train(args: argparse.Namespace) -> None:
         elif args.pause_at is not None:
             ckpt_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="trainscout-demo-ckpt-"))
 
-        started = time.perf_counter()
+        # Step times are kept in memory and written after the loop: file I/O per step would itself show up
+        # in the overhead benchmark that reads them. Each spans the whole iteration, data loading included.
+        step_seconds: list[float] = []
+        started = step_started = time.perf_counter()
         for step, (inputs, targets) in enumerate(batches(loader, sampler), start=1):
             logits = model(inputs)
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
@@ -136,9 +142,16 @@ def train(args: argparse.Namespace) -> None:
                 time.sleep(args.pause_seconds)
             if rank == 0 and args.log_every and step % args.log_every == 0:
                 print(f"step {step} loss {logged.item():.3f}", flush=True)
+            now = time.perf_counter()
+            step_seconds.append(now - step_started)
+            step_started = now
             if step >= args.steps:
                 break
         elapsed = time.perf_counter() - started
+
+    if rank == 0 and args.timing_file:
+        with open(args.timing_file, "w") as fh:
+            fh.writelines(f"{s:.9f}\n" for s in step_seconds)
 
     if rank == 0:
         print(f"done: {args.steps} steps in {elapsed:.2f} s ({1000 * elapsed / max(args.steps, 1):.1f} ms/step)",

@@ -8,13 +8,16 @@ threads and no hooks of its own; where and when it is called is the probe's busi
 
 Apart from the faults that end or stop the rank by design, nothing here raises into the training script:
 an injector that breaks a job in an unplanned way would be blamed on the detectors. Every fault that fires
-writes one "trainscout-fault:" line to stderr so a demo shows cause next to effect.
+writes one "trainscout-fault:" line to stderr so a demo shows cause next to effect, and, when
+TRAINSCOUT_FAULT_LOG names a file, one JSON line to it, so benchmarks can measure detection latency from the
+moment the fault took effect rather than from the launch.
 
 torch is imported inside functions only: this module is loaded in every process at interpreter start.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -26,6 +29,9 @@ from typing import Any
 from trainscout.faults.spec import ENV_VAR, FaultSpec, format_value, parse_faults
 
 LOG_PREFIX = "trainscout-fault:"
+
+# A file path; when set, every fault that fires appends {"t", "rank", "kind", "step", "params"} as a JSON line.
+FAULT_LOG_ENV = "TRAINSCOUT_FAULT_LOG"
 
 # Faults driven by the optimizer step; the order says what goes first when several are due at one step:
 # the ones that return (slow, pause) before the ones that never do.
@@ -76,6 +82,28 @@ def _log(message: str) -> None:
         sys.stderr.write(f"{LOG_PREFIX} {message}\n")
         sys.stderr.flush()
     except Exception:  # a closed or broken stderr must not turn a log line into a crash
+        pass
+
+
+def _record(rank: int, kind: str, step: int, params: Mapping[str, Any]) -> None:
+    """Append the fault's JSON line to $TRAINSCOUT_FAULT_LOG, before the fault takes effect.
+
+    Callers write it first because a fault may never return (hang, gil) or kill the process (SIGKILL):
+    one os.write on an O_APPEND fd reaches the kernel at once (no Python buffer to lose) and keeps lines
+    from several ranks whole. Never raises: a benchmark's bookkeeping must not change the fault.
+    """
+    try:
+        path = os.environ.get(FAULT_LOG_ENV)
+        if not path:
+            return
+        line = json.dumps({"t": time.time(), "rank": rank, "kind": kind, "step": step, "params": dict(params)},
+                          default=str) + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except Exception:
         pass
 
 
@@ -264,6 +292,7 @@ class FaultInjector:
                     due.append((index, spec))
                     if index not in self._fired:
                         self._fired.add(index)  # marks "announced": slow logs once, sleeps every step
+                        _record(self.rank, spec.kind, step, spec.params)
                         _log(f"rank {self.rank}: slow: sleeping {spec.params['ms']:g} ms per step "
                              f"from step {step}")
                 elif index not in self._fired:
@@ -275,6 +304,8 @@ class FaultInjector:
 
     def _fire(self, spec: FaultSpec, step: int) -> None:
         kind, params, rank = spec.kind, spec.params, self.rank
+        if kind != "slow":  # slow fires every step; it was recorded once, when announced in _due_at
+            _record(rank, kind, step, params)
         if kind == "slow":
             time.sleep(params["ms"] / 1000.0)
         elif kind == "pause":
@@ -335,6 +366,8 @@ class FaultInjector:
                 _log(f"rank {self.rank}: desync {what} on {name} failed, disabled: {exc!r}")
                 return unchanged
             self._fired.add(index)
+            # Recorded before returning: the rewritten collective is issued by the caller right after.
+            _record(self.rank, "desync", step, {**self.specs[index].params, "collective": call.name})
         _log(f"rank {self.rank}: desync: what={what} on {name} at step {step}: {detail}")
         return call.result()
 

@@ -36,7 +36,8 @@ class Probe:
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
         self.publisher = Publisher(self.writer, run_id, rank, self.tap, lambda: self.step,
-                                   tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.1")))
+                                   tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.1")),
+                                   buffer_entries=_int_env("TORCH_FR_BUFFER_SIZE", 1024))
         self.tap.record_sync = self.publisher.record_sync
 
     def _load_injector(self):
@@ -127,6 +128,13 @@ class Probe:
         self.writer.set("step_ns", time.monotonic_ns())
         if self.injector is not None:
             self.injector.on_step_end(self.step)
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 def start() -> Probe | None:

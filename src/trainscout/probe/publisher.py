@@ -29,7 +29,7 @@ _KEEP_SYNCED = 4096
 
 class Publisher(threading.Thread):
     def __init__(self, writer: ChannelWriter, run_id: str, rank: int, tap, get_step,
-                 tick_s: float = 0.1, max_dumps_per_s: float = 4.0) -> None:
+                 tick_s: float = 0.1, buffer_entries: int = 1024) -> None:
         super().__init__(name="trainscout-probe", daemon=True)
         self.writer = writer
         self.run_id = run_id
@@ -37,7 +37,12 @@ class Publisher(threading.Thread):
         self.tap = tap
         self.get_step = get_step
         self.tick_s = tick_s
-        self.min_dump_gap_ns = int(1e9 / max_dumps_per_s)
+        # A full dump costs a few microseconds per buffered entry, so dump as rarely as the buffer allows:
+        # every 0.5 s, faster when a dump finds the buffer filling up (it must never wrap between dumps).
+        self.buffer_entries = max(16, buffer_entries)
+        self.slowest_gap_ns = 500_000_000
+        self.fastest_gap_ns = int(tick_s * 1e9)
+        self.min_dump_gap_ns = self.slowest_gap_ns
         self.stop_event = threading.Event()
         self.lock = threading.Lock()
         self._poll_lock = threading.Lock()
@@ -82,7 +87,11 @@ class Publisher(threading.Thread):
             self._dirty = False
             self._last_dump_ns = now
             entries, _ = fr.entries()
-            self._ingest(entries)
+            fresh = self._ingest(entries)
+            if fresh > self.buffer_entries // 4:
+                self.min_dump_gap_ns = max(self.fastest_gap_ns, self.min_dump_gap_ns // 2)
+            elif fresh < self.buffer_entries // 16:
+                self.min_dump_gap_ns = min(self.slowest_gap_ns, self.min_dump_gap_ns * 2)
 
     def record_sync(self, pg_name: str, seq: int, op: str, sig: tuple, desc: str) -> None:
         """Called by the Python wrapper before it issues the collective (training thread)."""
@@ -104,7 +113,8 @@ class Publisher(threading.Thread):
             self._write_pg_table()
         return idx
 
-    def _ingest(self, entries: list[dict]) -> None:
+    def _ingest(self, entries: list[dict]) -> int:
+        """Append the entries not seen before; returns how many were new."""
         keys = frozenset(self._last_status)
         if keys != self._pg_table_keys:
             self._pg_table_keys = keys
@@ -113,7 +123,7 @@ class Publisher(threading.Thread):
         w = self.writer
         new = [e for e in entries if e.get("record_id", -1) > self._last_record_id]
         if not new:
-            return
+            return 0
         first_id = new[0]["record_id"]
         if self._last_record_id >= 0 and first_id > self._last_record_id + 1:
             w.set("dropped", int(w.header["dropped"]) + first_id - self._last_record_id - 1)
@@ -149,6 +159,7 @@ class Publisher(threading.Thread):
             with self.lock:
                 w.set("collectives", self._collectives)
                 w.set("progress_ns", time.monotonic_ns())
+        return len(new)
 
     def _write_pg_table(self) -> None:
         # The Flight Recorder's own pg_config is not reliable on every backend; torch's Python-side

@@ -43,7 +43,7 @@ class RunOptions:
     node_id: str | None = None
     stack_method: str = "py-spy"
     console: str = "auto"
-    fr_buffer: int = 2000
+    fr_buffer: int = 1024
     quiet_launcher: bool = False
 
 

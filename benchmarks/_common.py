@@ -1,0 +1,199 @@
+"""What every benchmark script shares: launching trainscout runs, summary statistics, and RESULTS.md sections.
+
+The benchmarks measure trainscout from outside, the way a user runs it (`python -m trainscout demo|run`), so a
+number here includes everything a user waits for: process start-up, the agent's polling, the coordinator's
+timeouts. Each script appends one dated section to RESULTS.md with the machine and the exact command, because
+a number without them (especially on a shared 2-core machine) cannot be compared with the next one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_MD = REPO / "benchmarks" / "RESULTS.md"
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the kernel's pick), for torchrun's rendezvous.
+
+    Another engineer's jobs share this machine, so fixed ports would collide sooner or later; a tiny race
+    between closing this socket and torchrun binding it remains, and shows up as a failed run, not a wrong one.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception as exc:
+        return f"uptime failed: {exc!r}"
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def date_utc() -> str:
+    try:
+        return subprocess.run(["date", "-u"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return datetime.datetime.now(datetime.timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
+
+
+def machine() -> dict[str, str]:
+    """nproc, CPU model, RAM, torch and python versions: what a reader needs to weigh the numbers."""
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = "?"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    except OSError:
+        pass
+    try:
+        torch_version = subprocess.run([PYTHON, "-c", "import torch; print(torch.__version__)"],
+                                       capture_output=True, text=True, timeout=120).stdout.strip()
+    except Exception:
+        torch_version = "?"
+    return {"nproc": str(os.cpu_count()), "cpu": cpu, "ram": ram, "torch": torch_version,
+            "python": platform.python_version()}
+
+
+def command_line() -> str:
+    """The command that ran this benchmark, as typed from the repository root."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+    return " ".join([".venv/bin/python", shlex.quote(script), *map(shlex.quote, sys.argv[1:])])
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), without importing numpy for a handful of values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+def append_results(title: str, info: dict[str, str], command: str, body: str) -> None:
+    """One dated section in RESULTS.md: title, date, machine, command, then the benchmark's own text."""
+    head = [
+        f"## {title} — {info['date']}",
+        "",
+        f"- machine: {info['nproc']} cores, {info['cpu']}, {info['ram']} RAM; torch {info['torch']}, "
+        f"python {info['python']}",
+        f"- command: `{command}`",
+        "",
+    ]
+    if not RESULTS_MD.exists():
+        RESULTS_MD.write_text("# trainscout benchmark results\n\nEach section is appended by the benchmark "
+                              "script named in its command line (see benchmarks/README.md).\n\n")
+    with RESULTS_MD.open("a") as fh:
+        fh.write("\n".join(head) + body.rstrip() + "\n\n")
+
+
+@dataclass
+class Launch:
+    """One finished trainscout (or plain torchrun) process: its exit code, wall time and the load around it."""
+
+    code: int | None
+    wall_s: float
+    load_before: float
+    load_after: float
+    timed_out: bool
+
+
+def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 180.0) -> Launch:
+    """Run cmd in its own session with output to log_path; on timeout SIGTERM it (trainscout then stops its
+    launcher, agent and coordinator cleanly), then SIGKILL its session if it lingers."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    load_before = load1()
+    started = time.perf_counter()
+    timed_out = False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                code = proc.wait()
+    return Launch(code=code, wall_s=time.perf_counter() - started, load_before=load_before,
+                  load_after=load1(), timed_out=timed_out)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                out.append({"unparsable": line})
+    return out
+
+
+def default_out_dir(name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return Path("/tmp") / f"trainscout-bench-{name}-{stamp}"
