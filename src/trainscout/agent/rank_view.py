@@ -9,10 +9,20 @@ from collections import deque
 
 import psutil
 
-from trainscout.channel.layout import pg_table_path
+from trainscout.channel.layout import pg_table_path, tensor_table_path
 from trainscout.channel.reader import ChannelReader
 from trainscout.probe import protocol
-from trainscout.wire.messages import ANCHOR_EVERY, CollectiveRecord, PgState, RankExit, RankState
+from trainscout.probe.nonfinite import NONFINITE_PG_INDEX
+from trainscout.probe.state_check import STATE_PG_INDEX
+from trainscout.wire.messages import (
+    ANCHOR_EVERY,
+    CollectiveRecord,
+    NonFiniteEvent,
+    PgState,
+    RankExit,
+    RankState,
+    StateRecord,
+)
 
 RECENT_IN_DIGEST = 4
 KEEP_RECORDS = 4096
@@ -87,6 +97,10 @@ class RankView:
         self.pid = 0
         self.exit: RankExit | None = None
         self._exit_seen_ns = 0
+        self._tensor_names: list[str] = []
+        self.replica_group: str | None = None
+        self._state_out: list[StateRecord] = []
+        self.nonfinite: list[NonFiniteEvent] = []
 
     def refresh(self) -> None:
         if not self.reader.ready():
@@ -124,6 +138,12 @@ class RankView:
 
     def _ingest(self, rec) -> None:
         idx = int(rec["pg_index"])
+        if idx == STATE_PG_INDEX:
+            self._ingest_state(rec)
+            return
+        if idx == NONFINITE_PG_INDEX:
+            self.nonfinite.append(NonFiniteEvent(step=int(rec["step"]), what=rec["desc"].decode(errors="replace")))
+            return
         name = self._index_to_name.get(idx)
         if name is None:
             self._load_pg_table(self._pg_table_version)
@@ -138,6 +158,28 @@ class RankView:
             wall_ns=int(rec["wall_ns"]),
             step=int(rec["step"]),
         ))
+
+    def _ingest_state(self, rec) -> None:
+        tid = int(rec["seq"])
+        if tid >= len(self._tensor_names):
+            self._load_tensor_table()
+        name = self._tensor_names[tid] if tid < len(self._tensor_names) else f"tensor#{tid}"
+        start, _, end = rec["desc"].decode().partition(":")
+        self._state_out.append(StateRecord(step=int(rec["step"]), tensor=name, start=int(start), end=int(end),
+                                           digest=int(rec["entry_hash"])))
+
+    def _load_tensor_table(self) -> None:
+        try:
+            with open(tensor_table_path(self.run_id, self.rank)) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            return
+        self._tensor_names = list(doc.get("tensors", []))
+        self.replica_group = doc.get("replica_group")
+
+    def take_state(self) -> list[StateRecord]:
+        out, self._state_out = self._state_out, []
+        return out
 
     def _check_exit(self, h) -> None:
         alive, zombie_status = _process_state(self._process)
@@ -194,6 +236,7 @@ class RankView:
             progress_age_s=(now - progress_ns) / 1e9,
             collectives=int(h["collectives"]), pgs=pgs, exit=exit_, cpu_percent=cpu,
             probe_errors=errors, fr_available=bool(int(h["fr_available"])),
+            replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

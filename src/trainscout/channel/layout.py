@@ -85,6 +85,11 @@ def pg_table_path(run_id: str, rank: int) -> str:
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.pgs.json")
 
 
+def tensor_table_path(run_id: str, rank: int) -> str:
+    """Sidecar JSON naming the tensors whose fingerprints the ring carries, and their replica group."""
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.tensors.json")
+
+
 def stack_path(run_id: str, rank: int) -> str:
     """Where the probe's faulthandler writes a stack dump when the agent signals it."""
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.stack")

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.exits import ExitDetector
+from trainscout.detectors.nonfinite import NonFiniteDetector
+from trainscout.detectors.state import ReplicaStateDetector
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector, Suspect
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, STALL, Finding
@@ -62,6 +64,8 @@ class Coordinator:
         self.hang = HangDetector(hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s)
         self.desync = DesyncDetector()
         self.exits = ExitDetector(blocked_s=hang_timeout_s)
+        self.state = ReplicaStateDetector()
+        self.nonfinite = NonFiniteDetector()
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
         self.agent_silence_s = agent_silence_s
@@ -92,6 +96,8 @@ class Coordinator:
             for st in msg.ranks:
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
                 self.rank_node[st.rank] = identity
+                if st.state:
+                    self.state.add(st.rank, st.replica_group, st.state, now)
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
         elif isinstance(msg, StackReport):
@@ -129,6 +135,10 @@ class Coordinator:
             self._start_fetch(req, now)
         for suspect in self.hang.update(now, self.ranks):
             self._start_stacks(suspect, now)
+        members = {pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members}
+        live = {r for r, o in self.ranks.items() if o.state.alive}
+        for f in self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks):
+            self.emit(f, now)
         if self.root_found:
             self.exits.done = True  # later exits follow from the fault already named
         for f in self.exits.update(now, self.ranks, self.launcher_codes, self.launcher_done):
@@ -264,7 +274,8 @@ class Coordinator:
         for p in self.pending_fetch.values():
             p.deadline = now
         self._flush_due(now)
-        self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected))
+        self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected),
+                          state_ranges_compared=self.state.compared)
         self.endpoint.close()
 
 

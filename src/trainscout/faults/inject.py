@@ -35,7 +35,7 @@ FAULT_LOG_ENV = "TRAINSCOUT_FAULT_LOG"
 
 # Faults driven by the optimizer step; the order says what goes first when several are due at one step:
 # the ones that return (slow, pause) before the ones that never do.
-_STEP_KINDS = ("slow", "pause", "hang", "gil", "crash", "exit")
+_STEP_KINDS = ("slow", "pause", "corrupt", "nan", "hang", "gil", "crash", "exit")
 
 # Positional parameter names of the torch.distributed functions the probe may wrap (torch 2.13), so an
 # argument can be read or replaced whether the caller passed it by position or by keyword.
@@ -271,8 +271,12 @@ class FaultInjector:
 
     # ---- optimizer step ----------------------------------------------------------------------------
 
-    def on_step_end(self, step: int) -> None:
-        """Fire the step-driven faults due after `step` optimizer steps. Raises only by design."""
+    def on_step_end(self, step: int, optimizer: Any = None, names: Mapping[int, str] | None = None) -> None:
+        """Fire the step-driven faults due after `step` optimizer steps. Raises only by design.
+
+        optimizer/names: the optimizer that just stepped and parameter names, for numerical faults.
+        """
+        self._optimizer, self._names = optimizer, dict(names or {})
         try:
             due = self._due_at(step)
         except Exception as exc:
@@ -306,6 +310,18 @@ class FaultInjector:
         kind, params, rank = spec.kind, spec.params, self.rank
         if kind != "slow":  # slow fires every step; it was recorded once, when announced in _due_at
             _record(rank, kind, step, params)
+        if kind in ("corrupt", "nan"):
+            from trainscout.faults import numeric
+
+            if getattr(self, "_optimizer", None) is None:
+                _log(f"rank {rank}: {kind}: no optimizer at hand, not fired")
+                return
+            try:
+                fn = numeric.corrupt if kind == "corrupt" else numeric.make_nonfinite
+                _log(f"rank {rank}: {kind}: {fn(self._optimizer, self._names, params)} after step {step}")
+            except Exception as exc:
+                _log(f"rank {rank}: {kind}: not fired: {exc}")
+            return
         if kind == "slow":
             time.sleep(params["ms"] / 1000.0)
         elif kind == "pause":

@@ -27,11 +27,16 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
     "desync": {"what": "shape"},
     "slow": {"ms": 50.0},
     "pause": {"seconds": 10.0},
+    "corrupt": {"target": "param", "tensor": "", "how": "bitflip"},
+    "nan": {"where": "param", "tensor": ""},
 }
 KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
 
 CRASH_HOWS = ("kill", "segv", "exception")
 DESYNC_WHATS = ("shape", "dtype", "op", "reduce", "pg")
+CORRUPT_TARGETS = ("param", "state")
+CORRUPT_HOWS = ("bitflip", "sign", "scale", "pct1", "pct100")
+NAN_WHERES = ("param", "grad")
 
 _COMMON_KEYS = ("rank", "step")
 
@@ -108,6 +113,11 @@ _PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
     ("desync", "what"): _parse_choice(DESYNC_WHATS),
     ("slow", "ms"): _parse_nonneg_float,
     ("pause", "seconds"): _parse_nonneg_float,
+    ("corrupt", "target"): _parse_choice(CORRUPT_TARGETS),
+    ("corrupt", "how"): _parse_choice(CORRUPT_HOWS),
+    ("corrupt", "tensor"): lambda key, text, token: text,
+    ("nan", "where"): _parse_choice(NAN_WHERES),
+    ("nan", "tensor"): lambda key, text, token: text,
 }
 
 

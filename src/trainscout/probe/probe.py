@@ -18,7 +18,9 @@ from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
 from trainscout.probe.collectives import CollectiveTap
 from trainscout.probe.import_hooks import hooks
+from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
+from trainscout.probe.state_check import StateCheck
 
 STACK_SIGNAL = signal.SIGRTMIN + 5  # the agent sends it to get a faulthandler stack dump
 
@@ -39,6 +41,12 @@ class Probe:
                                    tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.1")),
                                    buffer_entries=_int_env("TORCH_FR_BUFFER_SIZE", 1024))
         self.tap.record_sync = self.publisher.record_sync
+        self.state_check = None
+        if os.environ.get("TRAINSCOUT_STATE_CHECK", "1") != "0":
+            self.state_check = StateCheck(run_id, rank, self.publisher.append_locked,
+                                          period=_int_env("TRAINSCOUT_STATE_PERIOD", 16))
+        self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step)
+        self.param_names: dict[int, str] = {}
 
     def _load_injector(self):
         if not os.environ.get("TRAINSCOUT_INJECT"):
@@ -60,6 +68,8 @@ class Probe:
         h = hooks()
         h.on_import("torch.distributed.distributed_c10d", self._patch_c10d)
         h.on_import("torch.optim.optimizer", self._hook_optimizer)
+        h.on_import("torch.autograd", self._guarded(self.nonfinite.patch_autograd, "loss check"))
+        h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
         os.register_at_fork(after_in_child=self._forked_child)
         self.publisher.start()
         atexit.register(self._final_flush)
@@ -109,6 +119,36 @@ class Probe:
         except Exception as exc:
             self._error(f"torch.distributed patching failed: {exc!r}")
 
+    def _guarded(self, fn, what: str):
+        def run(module) -> None:
+            try:
+                fn(module)
+            except Exception as exc:
+                self._error(f"{what} disabled: {exc!r}")
+
+        return run
+
+    def _hook_ddp(self, module) -> None:
+        """Learn parameter names and the data-parallel group (replicas) from DDP's constructor."""
+        cls = module.DistributedDataParallel
+        real_init = cls.__init__
+        probe = self
+
+        def __init__(ddp, *args, **kwargs):
+            real_init(ddp, *args, **kwargs)
+            try:
+                names = {id(p): n for n, p in ddp.module.named_parameters()}
+                probe.param_names.update(names)
+                pg_name = getattr(ddp.process_group, "group_name", None)
+                if probe.state_check is not None:
+                    probe.state_check.learn_model(ddp.module, pg_name)
+                probe.nonfinite.hook_params(ddp.module.parameters(), names)
+            except Exception as exc:
+                probe._error(f"DDP introspection failed: {exc!r}")
+
+        __init__.__wrapped__ = real_init  # type: ignore[attr-defined]
+        cls.__init__ = __init__
+
     def _hook_optimizer(self, module) -> None:
         try:
             module.register_optimizer_step_post_hook(self._after_optimizer_step)
@@ -126,8 +166,17 @@ class Probe:
         self.step += 1
         self.writer.set("step", self.step)
         self.writer.set("step_ns", time.monotonic_ns())
+        if self.step == 1:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self.nonfinite.hook_params(params, self.param_names)
+        if self.state_check is not None:
+            try:
+                self.state_check.after_step(optimizer, self.step)
+            except Exception as exc:  # fail open
+                self.state_check = None
+                self._error(f"replicated-state check disabled: {exc!r}")
         if self.injector is not None:
-            self.injector.on_step_end(self.step)
+            self.injector.on_step_end(self.step, optimizer, self.param_names)
 
 
 def _int_env(name: str, default: int) -> int:

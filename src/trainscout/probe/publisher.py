@@ -106,6 +106,11 @@ class Publisher(threading.Thread):
             self.writer.set("collectives", self._collectives)
             self.writer.set("progress_ns", time.monotonic_ns())
 
+    def append_locked(self, *record) -> None:
+        """Append a non-collective record (state fingerprint, non-finite event) from any thread."""
+        with self.lock:
+            self.writer.append(*record)
+
     def _index_of(self, pg_name: str) -> int:
         idx = self._pg_index.get(pg_name)
         if idx is None:

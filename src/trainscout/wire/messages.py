@@ -45,6 +45,21 @@ class RankExit(msgspec.Struct, array_like=True):
     age_s: float  # seconds since the exit was observed
 
 
+class StateRecord(msgspec.Struct, array_like=True):
+    """Fingerprint of one byte range of one replicated tensor after an optimizer step."""
+
+    step: int
+    tensor: str  # parameter name, or "name:state_key" for optimizer state
+    start: int  # byte range [start, end)
+    end: int
+    digest: int
+
+
+class NonFiniteEvent(msgspec.Struct, array_like=True):
+    step: int  # the step being computed when the value turned non-finite (before any reduction)
+    what: str  # "loss" or "grad <parameter name>"
+
+
 class RankState(msgspec.Struct, array_like=True):
     rank: int
     local_rank: int
@@ -60,6 +75,9 @@ class RankState(msgspec.Struct, array_like=True):
     cpu_percent: float = 0.0
     probe_errors: list[str] = []
     fr_available: bool = True
+    replica_group: str | None = None  # process group whose members hold identical replicated state
+    state: list[StateRecord] = []  # fingerprints taken since the previous digest
+    nonfinite: list[NonFiniteEvent] = []  # first non-finite values seen (all of them, capped by the probe)
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -1,0 +1,51 @@
+"""Non-finite origin: the rank(s) whose local loss or gradients turned NaN/Inf at the earliest step.
+
+After a gradient all-reduce every replica holds NaN, so the origin is the minority that was non-finite
+one step before the rest (or the only one). Once other replicas report a later first step, or have
+passed the origin step with finite values, the origin is named.
+"""
+
+from __future__ import annotations
+
+from trainscout.detectors.observations import RankObs, rank_list
+from trainscout.findings import NONFINITE, Finding
+
+
+class NonFiniteDetector:
+    def __init__(self, wait_s: float = 3.0) -> None:
+        self.wait_s = wait_s
+        self.first_seen: float | None = None
+        self.done = False
+
+    def update(self, now: float, ranks: dict[int, RankObs]) -> list[Finding]:
+        if self.done:
+            return []
+        first: dict[int, tuple[int, str]] = {}
+        for r, o in ranks.items():
+            if o.state.nonfinite:
+                ev = min(o.state.nonfinite, key=lambda e: e.step)
+                first[r] = (ev.step, ev.what)
+        if not first:
+            return []
+        if self.first_seen is None:
+            self.first_seen = now
+        origin_step = min(s for s, _ in first.values())
+        origins = sorted(r for r, (s, _) in first.items() if s == origin_step)
+        others = [r for r in ranks if r not in origins]
+        # the others must have shown they were finite at origin_step: a later first step, or past it
+        settled = all((r in first) or ranks[r].state.step >= origin_step for r in others)
+        if not settled and now - self.first_seen < self.wait_s:
+            return []
+        self.done = True
+        later = {str(r): first[r][0] for r in others if r in first}
+        evidence = {"origin_step": origin_step, "first_nonfinite": {str(r): f"{w} at step {s}" for r, (s, w) in first.items()},
+                    "later_ranks": later}
+        what = first[origins[0]][1]
+        if others and len(origins) * 2 < len(ranks):
+            summary = (f"{rank_list(origins)} turned non-finite first ({what}) at step {origin_step}, before any "
+                       f"reduction; {rank_list(others)} " + ("followed later" if later else "were still finite"))
+            return [Finding(kind=NONFINITE, summary=summary, culprit_ranks=origins, step=origin_step, evidence=evidence)]
+        summary = (f"{rank_list(origins)} turned non-finite at the same step {origin_step} ({what}); "
+                   "no minority to blame")
+        return [Finding(kind=NONFINITE, status="inconclusive", summary=summary, culprit_ranks=[], step=origin_step,
+                        confidence=0.4, evidence=evidence)]

@@ -1,0 +1,73 @@
+"""Replicated-state consensus: replicas must hold bit-identical parameters and optimizer state.
+
+Each probe fingerprints the same byte range of the same tensor at the same step (a shared rotation);
+the coordinator collects the fingerprints per (step, tensor, range) and, once every replica reported
+(or a deadline passed), votes (C3 exact). A replica whose fingerprint differs from a strict majority
+holds corrupted state: silent data corruption, named with the tensor and the step it was seen at.
+"""
+
+from __future__ import annotations
+
+from trainscout.consensus import vote_exact
+from trainscout.detectors.observations import rank_list
+from trainscout.findings import SDC, Finding
+from trainscout.wire.messages import StateRecord
+
+
+class ReplicaStateDetector:
+    def __init__(self, wait_s: float = 5.0, keep_steps: int = 64) -> None:
+        self.wait_s = wait_s
+        self.keep_steps = keep_steps
+        self._pending: dict[tuple, dict] = {}  # (group, step, tensor, start, end) -> {"ranks": {r: h}, "t": first}
+        self._blamed: set[tuple[int, ...]] = set()
+        self.compared = 0
+        self.max_step = 0
+
+    def add(self, rank: int, group: str | None, records: list[StateRecord], now: float) -> None:
+        if group is None:
+            return
+        for rec in records:
+            key = (group, rec.step, rec.tensor, rec.start, rec.end)
+            entry = self._pending.setdefault(key, {"ranks": {}, "t": now})
+            entry["ranks"][rank] = rec.digest
+            self.max_step = max(self.max_step, rec.step)
+
+    def update(self, now: float, members_of: dict[str, list[int]], live: set[int]) -> list[Finding]:
+        findings: list[Finding] = []
+        for key in sorted(self._pending, key=lambda k: k[1]):
+            group, step, tensor, start, end = key
+            entry = self._pending[key]
+            members = [m for m in members_of.get(group, []) if m in live or m in entry["ranks"]]
+            complete = members and all(m in entry["ranks"] for m in members)
+            if not complete and now - entry["t"] < self.wait_s and step > self.max_step - self.keep_steps:
+                continue
+            del self._pending[key]
+            if len(entry["ranks"]) < 2:
+                continue
+            self.compared += 1
+            verdict = vote_exact(entry["ranks"])
+            if verdict.status == "agree":
+                continue
+            finding = self._finding(verdict, entry["ranks"], group, step, tensor, start, end)
+            blame = tuple(finding.culprit_ranks) or tuple(sorted(entry["ranks"]))
+            if blame in self._blamed:
+                continue  # corrupted state stays corrupted: one finding per culprit set
+            self._blamed.add(blame)
+            findings.append(finding)
+        return findings
+
+    def _finding(self, verdict, digests, group, step, tensor, start, end) -> Finding:
+        where = f"{tensor!r} bytes {start}-{end}"
+        evidence = {"tensor": tensor, "byte_range": [start, end], "replica_group": group,
+                    "fingerprints": {str(r): f"{h:016x}" for r, h in sorted(digests.items())}}
+        if verdict.status == "attributed":
+            culprits = list(verdict.outliers)
+            majority = ",".join(str(r) for r in sorted(digests) if r not in culprits)
+            summary = (f"{rank_list(culprits)} holds different {where} than replicas {majority} "
+                       f"after step {step}: replicated state corrupted on {rank_list(culprits)}")
+            return Finding(kind=SDC, summary=summary, culprit_ranks=culprits, step=step, pg=group,
+                           evidence={**evidence, "check": "replicated_state"})
+        summary = (f"replicas disagree on {where} after step {step} and no strict majority agrees "
+                   f"({len(digests)} replicas): corruption detected, culprit unknown")
+        return Finding(kind=SDC, status="inconclusive", summary=summary, culprit_ranks=[], step=step, pg=group,
+                       confidence=0.5, evidence={**evidence, "check": "replicated_state"})
