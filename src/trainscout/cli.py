@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--master-port", type=int, default=29512)
     demo.add_argument("--keep-running", action="store_true", help="do not stop the job after the finding")
     _add_run_options(demo)
+    ckpt = sub.add_parser("checkpoints", help="list checkpoint certificates and which checkpoint to trust",
+                          description="List the trainscout certificates under DIR (written next to checkpoints "
+                                      "saved with torch.save, torch.distributed.checkpoint or DeepSpeed), judge "
+                                      "them against the run's findings, and name the checkpoint to recover from.")
+    ckpt.add_argument("dir", help="folder to search (recursively)")
     report = sub.add_parser("report", help="print the summary of a finished run")
     report.add_argument("run_dir", help="runs/<run-id>")
     args = parser.parse_args(argv)
@@ -155,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.abort_on and not args.keep_running:
             args.abort_on = "hang,desync,early_exit,stall"
         return _run(args, _demo_command(args))
+    if args.cmd == "checkpoints":
+        from trainscout.checkpoint_list import main as list_main
+
+        return list_main(args.dir, sys.stdout)
     if args.cmd == "report":
         path = os.path.join(args.run_dir, "summary.md")
         if not os.path.exists(path):

@@ -18,7 +18,7 @@ import time
 
 from trainscout.agent import stacks
 from trainscout.agent.rank_view import RankView
-from trainscout.channel.layout import list_channels
+from trainscout.channel.layout import list_channels, trust_path
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
 
@@ -69,6 +69,8 @@ class Agent:
                 if view is not None:
                     self.send(RecordsReport(node_id=self.node_id, request_id=cmd.request_id, rank=rank,
                                             pg=cmd.pg, records=view.records(cmd.pg, cmd.seq_from, cmd.seq_to)))
+        elif cmd.kind == "trust":
+            _write_atomic(trust_path(self.run_id), cmd.payload)
         elif cmd.kind == "abort":
             threading.Thread(target=self._abort, daemon=True).start()
 
@@ -131,6 +133,15 @@ class Agent:
         self.send(Goodbye(node_id=self.node_id, reason="agent stopping"))
         time.sleep(0.2)  # let the last frames leave before the socket closes
         self.endpoint.close()
+
+
+def _write_atomic(path: str, text: str) -> None:
+    try:
+        with open(path + ".tmp", "w") as fh:
+            fh.write(text)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
 
 
 def _restarted(view: RankView) -> bool:

@@ -13,6 +13,7 @@ from trainscout.channel.layout import pg_table_path, tensor_table_path
 from trainscout.channel.reader import ChannelReader
 from trainscout.probe import protocol
 from trainscout.probe.nonfinite import NONFINITE_PG_INDEX
+from trainscout.probe.replay import REPLAY_PG_INDEX
 from trainscout.probe.state_check import STATE_PG_INDEX
 from trainscout.wire.messages import (
     ANCHOR_EVERY,
@@ -21,6 +22,7 @@ from trainscout.wire.messages import (
     PgState,
     RankExit,
     RankState,
+    ReplayRecord,
     StateRecord,
 )
 
@@ -99,7 +101,10 @@ class RankView:
         self._exit_seen_ns = 0
         self._tensor_names: list[str] = []
         self.replica_group: str | None = None
+        self.state_period = 0
+        self.replay_layers: list[str] = []
         self._state_out: list[StateRecord] = []
+        self._replays_out: list[ReplayRecord] = []
         self.nonfinite: list[NonFiniteEvent] = []
 
     def refresh(self) -> None:
@@ -141,6 +146,11 @@ class RankView:
         if idx == STATE_PG_INDEX:
             self._ingest_state(rec)
             return
+        if idx == REPLAY_PG_INDEX:
+            layer, _, params = rec["desc"].decode(errors="replace").partition("|")
+            self._replays_out.append(ReplayRecord(step=int(rec["step"]), layer=layer, output=int(rec["entry_hash"]),
+                                                  grads=int(rec["rolling_hash"]), params=int(params or "0", 16)))
+            return
         if idx == NONFINITE_PG_INDEX:
             self.nonfinite.append(NonFiniteEvent(step=int(rec["step"]), what=rec["desc"].decode(errors="replace")))
             return
@@ -176,9 +186,15 @@ class RankView:
             return
         self._tensor_names = list(doc.get("tensors", []))
         self.replica_group = doc.get("replica_group")
+        self.state_period = int(doc.get("period_steps", 0))
+        self.replay_layers = list(doc.get("replay_layers", []))
 
     def take_state(self) -> list[StateRecord]:
         out, self._state_out = self._state_out, []
+        return out
+
+    def take_replays(self) -> list[ReplayRecord]:
+        out, self._replays_out = self._replays_out, []
         return out
 
     def _check_exit(self, h) -> None:
@@ -237,6 +253,7 @@ class RankView:
             collectives=int(h["collectives"]), pgs=pgs, exit=exit_, cpu_percent=cpu,
             probe_errors=errors, fr_available=bool(int(h["fr_available"])),
             replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
+            replays=self.take_replays(), state_period=self.state_period, replay_layers=self.replay_layers,
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

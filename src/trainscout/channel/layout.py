@@ -90,6 +90,11 @@ def tensor_table_path(run_id: str, rank: int) -> str:
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.tensors.json")
 
 
+def trust_path(run_id: str) -> str:
+    """Node-wide JSON the agent writes from the coordinator's trust state (for checkpoint certificates)."""
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}trust.json")
+
+
 def stack_path(run_id: str, rank: int) -> str:
     """Where the probe's faulthandler writes a stack dump when the agent signals it."""
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.stack")

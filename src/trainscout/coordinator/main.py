@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import signal
 import sys
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.nonfinite import NonFiniteDetector
-from trainscout.detectors.state import ReplicaStateDetector
+from trainscout.detectors.state import ReplicaStateDetector, verified_step
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector, Suspect
-from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, STALL, Finding
+from trainscout.detectors.replay import ReplayDetector
+from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
 from trainscout.wire.endpoints import CoordinatorEndpoint
 from trainscout.wire.messages import (
@@ -36,6 +38,7 @@ from trainscout.wire.messages import (
 )
 
 ROOT_KINDS = {HANG, DESYNC, CRASH, EARLY_EXIT, STALL}
+INTEGRITY_KINDS = {SDC, NONFINITE, HEALTH}
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Coordinator:
         self.exits = ExitDetector(blocked_s=hang_timeout_s)
         self.state = ReplicaStateDetector()
         self.nonfinite = NonFiniteDetector()
+        self.replay = ReplayDetector()
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
         self.agent_silence_s = agent_silence_s
@@ -81,6 +85,8 @@ class Coordinator:
         self.request_ids = itertools.count(1)
         self.aborting = False
         self.root_found = False
+        self._next_trust = 0.0
+        self._last_trust = ""
         self.stop = False
 
     # ---- messages -------------------------------------------------------------------------
@@ -98,6 +104,8 @@ class Coordinator:
                 self.rank_node[st.rank] = identity
                 if st.state:
                     self.state.add(st.rank, st.replica_group, st.state, now)
+                if st.replays:
+                    self.replay.add(st.rank, st.replays, now)
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
         elif isinstance(msg, StackReport):
@@ -137,7 +145,9 @@ class Coordinator:
             self._start_stacks(suspect, now)
         members = {pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members}
         live = {r for r, o in self.ranks.items() if o.state.alive}
-        for f in self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks):
+        replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
+        for f in (self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks)
+                  + self.replay.update(now, replicas)):
             self.emit(f, now)
         if self.root_found:
             self.exits.done = True  # later exits follow from the fault already named
@@ -145,6 +155,32 @@ class Coordinator:
             self.emit(f, now)
         self._flush_due(now)
         self._watch_agents(now)
+        self._publish_trust(now)
+
+    def trust(self) -> dict:
+        """What a checkpoint saved now can claim (see probe/checkpoints.py)."""
+        live = [o.state for o in self.ranks.values()]
+        period = max((s.state_period for s in live), default=0)
+        layers = sorted({layer for s in live for layer in s.replay_layers})
+        integrity = [f for f in self.findings if f.kind in INTEGRITY_KINDS]
+        suspect_since = min((f.step or 0 for f in integrity), default=None)
+        verified = verified_step(self.state.step_clean, period)
+        if suspect_since is not None and verified - period + 1 > suspect_since:
+            suspect_since = None  # a whole clean rotation after the finding re-verified the state
+        return {"verified_step": verified, "state_period": period, "suspect_since": suspect_since,
+                "replay_layers": layers, "replay_rotation_clean": set(layers) <= self.replay.clean_layers,
+                "findings": [f.summary for f in integrity][-5:]}
+
+    def _publish_trust(self, now: float) -> None:
+        if now < self._next_trust:
+            return
+        self._next_trust = now + 1.0
+        payload = json.dumps(self.trust(), sort_keys=True)
+        if payload == self._last_trust:
+            return
+        self._last_trust = payload
+        for ident in self.nodes:
+            self.endpoint.send(ident, Command(kind="trust", request_id=next(self.request_ids), payload=payload))
 
     def _start_stacks(self, suspect: Suspect, now: float) -> None:
         suspect.finding.first_seen = time.time()
@@ -275,7 +311,7 @@ class Coordinator:
             p.deadline = now
         self._flush_due(now)
         self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected),
-                          state_ranges_compared=self.state.compared)
+                          state_ranges_compared=self.state.compared, replays_compared=self.replay.replays_compared)
         self.endpoint.close()
 
 

@@ -22,6 +22,7 @@ class ReplicaStateDetector:
         self._blamed: set[tuple[int, ...]] = set()
         self.compared = 0
         self.max_step = 0
+        self.step_clean: dict[int, bool] = {}  # step -> every range compared at that step agreed
 
     def add(self, rank: int, group: str | None, records: list[StateRecord], now: float) -> None:
         if group is None:
@@ -46,6 +47,7 @@ class ReplicaStateDetector:
                 continue
             self.compared += 1
             verdict = vote_exact(entry["ranks"])
+            self.step_clean[step] = self.step_clean.get(step, True) and verdict.status == "agree"
             if verdict.status == "agree":
                 continue
             finding = self._finding(verdict, entry["ranks"], group, step, tensor, start, end)
@@ -71,3 +73,21 @@ class ReplicaStateDetector:
                    f"({len(digests)} replicas): corruption detected, culprit unknown")
         return Finding(kind=SDC, status="inconclusive", summary=summary, culprit_ranks=[], step=step, pg=group,
                        confidence=0.5, evidence={**evidence, "check": "replicated_state"})
+
+
+def verified_step(step_clean: dict[int, bool], period: int) -> int:
+    """Largest step S whose last `period` steps were all compared and clean (-1 if none)."""
+    if period <= 0:
+        return -1
+    best, run, previous = -1, 0, None
+    for step in sorted(step_clean):
+        if not step_clean[step]:
+            run = 0
+        elif previous is not None and step == previous + 1 and run > 0:
+            run += 1
+        else:
+            run = 1  # a gap in compared steps restarts the count
+        previous = step
+        if run >= period:
+            best = step
+    return best

@@ -35,7 +35,7 @@ FAULT_LOG_ENV = "TRAINSCOUT_FAULT_LOG"
 
 # Faults driven by the optimizer step; the order says what goes first when several are due at one step:
 # the ones that return (slow, pause) before the ones that never do.
-_STEP_KINDS = ("slow", "pause", "corrupt", "nan", "hang", "gil", "crash", "exit")
+_STEP_KINDS = ("slow", "pause", "corrupt", "nan", "perturb", "hang", "gil", "crash", "exit")
 
 # Positional parameter names of the torch.distributed functions the probe may wrap (torch 2.13), so an
 # argument can be read or replaced whether the caller passed it by position or by keyword.
@@ -271,12 +271,14 @@ class FaultInjector:
 
     # ---- optimizer step ----------------------------------------------------------------------------
 
-    def on_step_end(self, step: int, optimizer: Any = None, names: Mapping[int, str] | None = None) -> None:
+    def on_step_end(self, step: int, optimizer: Any = None, names: Mapping[int, str] | None = None,
+                    model: Any = None) -> None:
         """Fire the step-driven faults due after `step` optimizer steps. Raises only by design.
 
-        optimizer/names: the optimizer that just stepped and parameter names, for numerical faults.
+        optimizer/names/model: the optimizer that just stepped, parameter names and the replicated model,
+        for numerical faults.
         """
-        self._optimizer, self._names = optimizer, dict(names or {})
+        self._optimizer, self._names, self._model = optimizer, dict(names or {}), model
         try:
             due = self._due_at(step)
         except Exception as exc:
@@ -310,15 +312,19 @@ class FaultInjector:
         kind, params, rank = spec.kind, spec.params, self.rank
         if kind != "slow":  # slow fires every step; it was recorded once, when announced in _due_at
             _record(rank, kind, step, params)
-        if kind in ("corrupt", "nan"):
+        if kind in ("corrupt", "nan", "perturb"):
             from trainscout.faults import numeric
 
             if getattr(self, "_optimizer", None) is None:
                 _log(f"rank {rank}: {kind}: no optimizer at hand, not fired")
                 return
             try:
-                fn = numeric.corrupt if kind == "corrupt" else numeric.make_nonfinite
-                _log(f"rank {rank}: {kind}: {fn(self._optimizer, self._names, params)} after step {step}")
+                if kind == "perturb":
+                    done = numeric.perturb(self._model, params)
+                else:
+                    fn = numeric.corrupt if kind == "corrupt" else numeric.make_nonfinite
+                    done = fn(self._optimizer, self._names, params)
+                _log(f"rank {rank}: {kind}: {done} after step {step}")
             except Exception as exc:
                 _log(f"rank {rank}: {kind}: not fired: {exc}")
             return

@@ -83,3 +83,20 @@ def _pick_param(optimizer, names, wanted):
                 return n, p
         raise ValueError(f"no parameter named {wanted!r}")
     return max(labelled, key=lambda item: item[1].numel())
+
+
+def perturb(model, params: dict) -> str:
+    """From now on, every forward of one layer adds eps to its output on this rank: a device that
+    computes wrong, the recurring corruption that replay must catch."""
+    if model is None:
+        raise ValueError("no model seen (perturb needs a DistributedDataParallel model)")
+    wanted = params.get("layer", "")
+    modules = dict(model.named_modules())
+    if not wanted:
+        wanted = next((n for n in modules if n.startswith("blocks.") and n.count(".") == 1), "")
+    layer = modules.get(wanted)
+    if layer is None or not wanted:
+        raise ValueError(f"no layer named {wanted!r}")
+    eps = float(params.get("eps", 1e-3))
+    layer.register_forward_hook(lambda module, args, out: out + eps)
+    return f"layer {wanted} now adds {eps:g} to its output"

@@ -29,6 +29,7 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
     "pause": {"seconds": 10.0},
     "corrupt": {"target": "param", "tensor": "", "how": "bitflip"},
     "nan": {"where": "param", "tensor": ""},
+    "perturb": {"layer": "", "eps": 1e-3},
 }
 KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
 
@@ -118,6 +119,8 @@ _PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
     ("corrupt", "tensor"): lambda key, text, token: text,
     ("nan", "where"): _parse_choice(NAN_WHERES),
     ("nan", "tensor"): lambda key, text, token: text,
+    ("perturb", "layer"): lambda key, text, token: text,
+    ("perturb", "eps"): _parse_nonneg_float,
 }
 
 

@@ -16,10 +16,12 @@ import time
 from trainscout.channel.layout import stack_path
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
+from trainscout.probe.checkpoints import CheckpointHooks
 from trainscout.probe.collectives import CollectiveTap
 from trainscout.probe.import_hooks import hooks
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
+from trainscout.probe.replay import Replay
 from trainscout.probe.state_check import StateCheck
 
 STACK_SIGNAL = signal.SIGRTMIN + 5  # the agent sends it to get a faulthandler stack dump
@@ -47,6 +49,11 @@ class Probe:
                                           period=_int_env("TRAINSCOUT_STATE_PERIOD", 16))
         self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step)
         self.param_names: dict[int, str] = {}
+        self.model = None
+        self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error)
+        every = _int_env("TRAINSCOUT_REPLAY_EVERY", 100)
+        self.replay = Replay(self.publisher.append_locked, every, rank) if every > 0 else None
+        self._replay_group = None
 
     def _load_injector(self):
         if not os.environ.get("TRAINSCOUT_INJECT"):
@@ -70,6 +77,10 @@ class Probe:
         h.on_import("torch.optim.optimizer", self._hook_optimizer)
         h.on_import("torch.autograd", self._guarded(self.nonfinite.patch_autograd, "loss check"))
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
+        h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
+        h.on_import("torch.distributed.checkpoint.state_dict_saver",
+                    self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"))
+        h.on_import("deepspeed.runtime.engine", self._guarded(self.checkpoints.wrap_deepspeed, "checkpoint hook"))
         os.register_at_fork(after_in_child=self._forked_child)
         self.publisher.start()
         atexit.register(self._final_flush)
@@ -99,6 +110,16 @@ class Probe:
 
             def init_process_group(*args, **kwargs):
                 result = real_init(*args, **kwargs)
+                if probe.replay is not None:
+                    try:  # every rank creates it now, in the same order: group creation is collective
+                        import datetime
+
+                        # a bounded timeout: if replay fails on one rank, the others' side broadcast
+                        # errors out (and disables replay) instead of hanging training
+                        probe._replay_group = module.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+                    except Exception as exc:
+                        probe.replay = None
+                        probe._error(f"replay disabled (no side group): {exc!r}")
                 if probe.injector is not None:
                     probe.injector.on_init_process_group()
                 return result
@@ -143,11 +164,27 @@ class Probe:
                 if probe.state_check is not None:
                     probe.state_check.learn_model(ddp.module, pg_name)
                 probe.nonfinite.hook_params(ddp.module.parameters(), names)
+                probe.model = ddp.module
+                probe._attach_replay(ddp)
             except Exception as exc:
                 probe._error(f"DDP introspection failed: {exc!r}")
 
         __init__.__wrapped__ = real_init  # type: ignore[attr-defined]
         cls.__init__ = __init__
+
+    def _attach_replay(self, ddp) -> None:
+        if self.replay is None or self._replay_group is None:
+            return
+        import torch.distributed as dist
+
+        members = dist.get_process_group_ranks(ddp.process_group)
+        if sorted(members) != list(range(dist.get_world_size())):
+            self.replay = None  # the side group spans the world; replicas must too (pure data parallel)
+            return
+        broadcast = self.tap.originals.get("broadcast", dist.broadcast)  # unwrapped: no fault rewrites it
+        self.replay.attach(ddp.module, self._replay_group, min(members), broadcast)
+        if self.state_check is not None:
+            self.state_check.replay_layers = [name for name, _ in self.replay.layers]
 
     def _hook_optimizer(self, module) -> None:
         try:
@@ -175,8 +212,14 @@ class Probe:
             except Exception as exc:  # fail open
                 self.state_check = None
                 self._error(f"replicated-state check disabled: {exc!r}")
+        if self.replay is not None and self.replay.due(self.step):
+            try:
+                self.replay.run(self.step)
+            except Exception as exc:  # fail open
+                self.replay = None
+                self._error(f"replay disabled: {exc!r}")
         if self.injector is not None:
-            self.injector.on_step_end(self.step, optimizer, self.param_names)
+            self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
 
 
 def _int_env(name: str, default: int) -> int:

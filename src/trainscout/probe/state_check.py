@@ -33,6 +33,7 @@ class StateCheck:
         self._next = 0
         self.spent_s = 0.0
         self.checked_bytes = 0
+        self.replay_layers: list[str] = []
 
     def learn_model(self, module, process_group_name: str | None) -> None:
         for name, p in module.named_parameters():
@@ -52,7 +53,7 @@ class StateCheck:
             return
         budget = self._per_step_bytes
         spent = 0
-        from trainscout.fingerprint import fingerprint_range
+        from trainscout.fingerprint.cpu import fingerprint_range
 
         while spent < budget:
             tid, t, start, end = self._chunks[self._next]
@@ -64,6 +65,19 @@ class StateCheck:
                 break  # a step never wraps: each covers a slice of one rotation, rotations start aligned
         self.checked_bytes += spent
         self.spent_s += time.perf_counter() - t0
+
+    def _rotation_steps(self) -> int:
+        """How many steps after_step takes to cover every chunk once (same loop, no hashing)."""
+        steps, i = 0, 0
+        while True:
+            steps += 1
+            spent = 0
+            while spent < self._per_step_bytes:
+                _, _, start, end = self._chunks[i]
+                i = (i + 1) % len(self._chunks)
+                spent += end - start
+                if i == 0:
+                    return steps
 
     def _tensors(self, optimizer) -> list[tuple[str, object]]:
         out = []
@@ -89,8 +103,9 @@ class StateCheck:
             for start in range(0, size, chunk):
                 self._chunks.append((tid, t, start, min(size, start + chunk)))
         self._next = 0
+        rotation = self._rotation_steps()
         doc = {"replica_group": self.replica_group, "tensors": [name for name, _ in tensors],
-               "bytes": total, "period_steps": self.period}
+               "bytes": total, "period_steps": rotation, "replay_layers": self.replay_layers}
         path = tensor_table_path(self.run_id, self.rank)
         with open(path + ".tmp", "w") as fh:
             json.dump(doc, fh)

@@ -60,6 +60,14 @@ class NonFiniteEvent(msgspec.Struct, array_like=True):
     what: str  # "loss" or "grad <parameter name>"
 
 
+class ReplayRecord(msgspec.Struct, array_like=True):
+    step: int
+    layer: str
+    output: int  # fingerprint of the layer's output
+    grads: int  # combined fingerprint of input and parameter gradients
+    params: int = 0  # combined fingerprint of the layer's parameters (equal on healthy replicas)
+
+
 class RankState(msgspec.Struct, array_like=True):
     rank: int
     local_rank: int
@@ -78,6 +86,9 @@ class RankState(msgspec.Struct, array_like=True):
     replica_group: str | None = None  # process group whose members hold identical replicated state
     state: list[StateRecord] = []  # fingerprints taken since the previous digest
     nonfinite: list[NonFiniteEvent] = []  # first non-finite values seen (all of them, capped by the probe)
+    replays: list[ReplayRecord] = []  # replay fingerprints since the previous digest
+    state_period: int = 0  # steps one replicated-state rotation takes (0: state check off)
+    replay_layers: list[str] = []  # layers the replay rotation covers (empty: replay off)
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -126,12 +137,13 @@ class Goodbye(msgspec.Struct, tag=True):
 class Command(msgspec.Struct, tag=True):
     """Coordinator -> agent."""
 
-    kind: str  # dump_stacks | fetch_records | flush
+    kind: str  # dump_stacks | fetch_records | abort | trust
     request_id: int
     ranks: list[int] = []
     pg: str = ""
     seq_from: int = 0
     seq_to: int = 0
+    payload: str = ""  # trust: JSON the agent hands to the probes (checkpoint certificates)
 
 
 ToCoordinator = Union[Hello, NodeDigest, StackReport, RecordsReport, LauncherReport, Goodbye]

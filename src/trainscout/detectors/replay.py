@@ -1,0 +1,84 @@
+"""Replay consensus: replicas that recomputed the same layer on the same input must agree bit for bit.
+
+A replica whose output or gradient fingerprint differs from a strict majority while its parameters
+match computed wrong: a suspected silent data corruption in that layer. The same rank deviating again
+on a later replay of the same layer confirms a faulty device (a `health` finding). A replica whose
+parameters themselves differ holds corrupted state: that is named as such and says nothing about the
+device's arithmetic.
+"""
+
+from __future__ import annotations
+
+from trainscout.consensus import vote_exact
+from trainscout.detectors.observations import rank_list
+from trainscout.findings import HEALTH, SDC, Finding
+from trainscout.wire.messages import ReplayRecord
+
+
+class ReplayDetector:
+    def __init__(self, wait_s: float = 5.0) -> None:
+        self.wait_s = wait_s
+        self._pending: dict[tuple[int, str], dict] = {}
+        self._deviations: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps it deviated
+        self.replays_compared = 0
+        self.clean_layers: set[str] = set()
+
+    def add(self, rank: int, records: list[ReplayRecord], now: float) -> None:
+        for rec in records:
+            entry = self._pending.setdefault((rec.step, rec.layer), {"ranks": {}, "t": now})
+            entry["ranks"][rank] = (rec.output, rec.grads)
+            entry.setdefault("params", {})[rank] = rec.params
+
+    def update(self, now: float, replicas: list[int]) -> list[Finding]:
+        findings: list[Finding] = []
+        for key in sorted(self._pending):
+            step, layer = key
+            entry = self._pending[key]
+            if not all(r in entry["ranks"] for r in replicas) and now - entry["t"] < self.wait_s:
+                continue
+            del self._pending[key]
+            if len(entry["ranks"]) < 2:
+                continue
+            self.replays_compared += 1
+            verdict = vote_exact(entry["ranks"])
+            if verdict.status == "agree":
+                self.clean_layers.add(layer)
+                continue
+            findings.extend(self._judge(verdict, entry["ranks"], entry.get("params", {}), step, layer))
+        return findings
+
+    def _judge(self, verdict, results, params, step: int, layer: str) -> list[Finding]:
+        evidence = {"check": "replay", "layer": layer, "replay_step": step,
+                    "fingerprints": {str(r): [f"{o:016x}", f"{g:016x}"] for r, (o, g) in sorted(results.items())}}
+        if verdict.status != "attributed":
+            return [Finding(kind=SDC, status="inconclusive", culprit_ranks=[], step=step, confidence=0.5,
+                            summary=f"replicas recomputing layer {layer} at step {step} disagree and no strict "
+                                    "majority agrees: corruption detected, culprit unknown",
+                            pg=f"replay:{layer}", collective_seq=step, evidence=evidence)]
+        out: list[Finding] = []
+        majority_params = {params.get(r) for r in results if r not in verdict.outliers}
+        for r in verdict.outliers:
+            maj_out, maj_grad = verdict.majority_value
+            part = "outputs" if results[r][0] != maj_out else "gradients"
+            if len(majority_params) == 1 and params.get(r) not in majority_params:
+                out.append(Finding(
+                    kind=SDC, culprit_ranks=[r], step=step, pg=f"state:{layer}", confidence=0.9,
+                    summary=(f"rank {r} holds different parameters of layer {layer} than {len(results) - 1} "
+                             f"replicas (replay at step {step}): replicated state corrupted"),
+                    evidence={**evidence, "differs_in": "parameters", "check": "replay"}))
+                continue
+            steps = self._deviations.setdefault((r, layer), [])
+            steps.append(step)
+            if len(steps) == 1:
+                out.append(Finding(
+                    kind=SDC, culprit_ranks=[r], step=step, pg=f"replay:{layer}", confidence=0.8,
+                    summary=(f"rank {r} computes layer {layer} wrong: its replay {part} differ from "
+                             f"{len(results) - 1} replicas on the same input (step {step})"),
+                    evidence={**evidence, "differs_in": part, "confirmed": False}))
+            elif len(steps) == 2:
+                out.append(Finding(
+                    kind=HEALTH, culprit_ranks=[r], step=step, pg=f"replay:{layer}",
+                    summary=(f"rank {r}'s device is faulty: replay of layer {layer} deviated again "
+                             f"(steps {steps[0]} and {steps[1]}); take it out of service"),
+                    evidence={**evidence, "differs_in": part, "confirmed": True, "deviation_steps": list(steps)}))
+        return out

@@ -1,0 +1,126 @@
+"""Checkpoint certificates: when a rank saves a checkpoint, write next to it what trainscout knew.
+
+`torch.save`, `torch.distributed.checkpoint.save` and DeepSpeed's `save_checkpoint` are wrapped; after a
+successful save the wrapper writes a JSON certificate: certified (every check up to that step agreed
+and the rotations completed clean), suspect (an integrity finding is unresolved) or unverified (not
+enough checking done yet). The trust state comes from the coordinator through the node agent (a small
+file in shared memory). `trainscout checkpoints DIR` lists certificates and re-judges them against
+findings made after the save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from trainscout.channel.layout import trust_path
+
+CERT_SUFFIX = ".trainscout-cert.json"
+DIR_CERT_NAME = "trainscout-cert.json"
+
+
+def read_trust(run_id: str) -> dict:
+    try:
+        with open(trust_path(run_id)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def certificate(run_id: str, rank: int, step: int, target: str, how: str) -> dict:
+    trust = read_trust(run_id)
+    if not trust:
+        status, reason = "unverified", "no trust state from the coordinator yet"
+    elif trust.get("suspect_since") is not None:
+        status = "suspect"
+        reason = f"integrity finding at step {trust['suspect_since']} not resolved"
+    elif trust.get("verified_step", -1) >= 0 and trust.get("replay_rotation_clean", True):
+        status, reason = "certified", "every check agreed; state and replay rotations completed clean"
+    else:
+        status, reason = "unverified", "rotations not yet complete"
+    return {
+        "schema": 1, "checkpoint": os.path.abspath(target), "saved_by": how, "rank": rank, "step": step,
+        "saved_at": time.time(), "run_id": run_id, "run_dir": os.environ.get("TRAINSCOUT_RUN_DIR", ""),
+        "status": status, "reason": reason, "trust": trust,
+    }
+
+
+def write_certificate(cert: dict, target: str) -> str | None:
+    path = os.path.join(target, DIR_CERT_NAME) if os.path.isdir(target) else target + CERT_SUFFIX
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(cert, fh, indent=1)
+        os.replace(tmp, path)
+        return path
+    except OSError:
+        return None
+
+
+class CheckpointHooks:
+    def __init__(self, run_id: str, rank: int, get_step, on_error) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.get_step = get_step
+        self.on_error = on_error
+        self.written: list[str] = []
+
+    def _after_save(self, target, how: str) -> None:
+        try:
+            if isinstance(target, (str, os.PathLike)):
+                cert = certificate(self.run_id, self.rank, self.get_step(), os.fspath(target), how)
+                path = write_certificate(cert, os.fspath(target))
+                if path:
+                    self.written.append(path)
+        except Exception as exc:
+            self.on_error(f"checkpoint certificate not written: {exc!r}")
+
+    def wrap_torch_save(self, module) -> None:
+        real = module.save
+        hooks = self
+
+        def save(obj, f, *args, **kwargs):
+            result = real(obj, f, *args, **kwargs)
+            hooks._after_save(f, "torch.save")
+            return result
+
+        save.__wrapped__ = real  # type: ignore[attr-defined]
+        save.__doc__ = real.__doc__
+        module.save = save
+
+    def wrap_dcp_save(self, module) -> None:
+        real = getattr(module, "save", None)
+        if real is None:
+            return
+        hooks = self
+
+        def dcp_save(*args, **kwargs):
+            result = real(*args, **kwargs)
+            target = kwargs.get("checkpoint_id")
+            if target is None and len(args) > 1:
+                target = args[1]
+            if hooks.rank == 0 and target is not None:
+                hooks._after_save(target, "torch.distributed.checkpoint.save")
+            return result
+
+        dcp_save.__wrapped__ = real  # type: ignore[attr-defined]
+        dcp_save.__doc__ = real.__doc__
+        module.save = dcp_save
+
+    def wrap_deepspeed(self, module) -> None:
+        cls = getattr(module, "DeepSpeedEngine", None)
+        if cls is None:
+            return
+        real = cls.save_checkpoint
+        hooks = self
+
+        def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
+            result = real(engine, save_dir, tag, *args, **kwargs)
+            if hooks.rank == 0:
+                hooks._after_save(os.path.join(save_dir, str(tag if tag is not None else engine.global_steps)),
+                                  "deepspeed save_checkpoint")
+            return result
+
+        save_checkpoint.__wrapped__ = real  # type: ignore[attr-defined]
+        cls.save_checkpoint = save_checkpoint

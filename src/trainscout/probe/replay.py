@@ -1,0 +1,137 @@
+"""In-situ replay: replicas recompute one layer on the same input and compare fingerprints.
+
+Every `every` steps (the same steps on every replica), each replica takes the next layer of the
+rotation (embedding, blocks, head...), receives the input that layer saw in the source replica's last
+training forward (broadcast over a side process group, never the job's own groups), and runs forward
+and backward with the live parameters and a fixed output gradient. Outputs and gradients are
+fingerprinted; a replica that computes differently from a strict majority computes wrong (SDC), and a
+second deviation of the same layer confirms a faulty device.
+
+Replay must not change training: it runs under a forked RNG, in eval mode, and takes gradients with
+torch.autograd.grad, which leaves `.grad` untouched; parameters are only read.
+"""
+
+from __future__ import annotations
+
+import time
+
+REPLAY_PG_INDEX = -3
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
+
+
+class Replay:
+    def __init__(self, append, every: int, rank: int) -> None:
+        self.append = append
+        self.every = max(1, every)
+        self.rank = rank
+        self.group = None  # side process group over the replicas
+        self.source = 0  # global rank whose captured input is broadcast
+        self.layers: list[tuple[str, object]] = []
+        self._captured: dict[str, object] = {}
+        self._handles: list = []
+        self.count = 0
+        self.spent_s = 0.0
+        self._broadcast = None
+        self._next_index = 0
+
+    def attach(self, module, group, source: int, broadcast) -> None:
+        """module: the replicated model; group: side group of its replicas; broadcast: unwrapped dist.broadcast."""
+        import torch.nn as nn
+
+        self.group, self.source, self._broadcast = group, source, broadcast
+        layers: list[tuple[str, object]] = []
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                layers.extend((f"{name}.{i}", c) for i, c in enumerate(child))
+            elif any(True for _ in child.parameters()):
+                layers.append((name, child))
+        self.layers = layers
+        self._next_index = 0
+        for name, layer in layers:
+            self._handles.append(layer.register_forward_pre_hook(self._capture_hook(name)))
+
+    def _capture_hook(self, name: str):
+        # Only the layer of the next replay keeps its input: one activation held, not one per layer.
+        def hook(module, args):
+            if name == self._next_name and len(args) == 1 and hasattr(args[0], "detach") and module.training:
+                self._captured = {name: args[0].detach()}
+        return hook
+
+    @property
+    def _next_name(self) -> str | None:
+        return self.layers[self._next_index][0] if self.layers else None
+
+    def due(self, step: int) -> bool:
+        return bool(self.layers) and self.group is not None and step % self.every == 0
+
+    def run(self, step: int) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        index = (step // self.every - 1) % len(self.layers)
+        self._next_index = (index + 1) % len(self.layers)
+        name, layer = self.layers[index]
+        x = self._exchange_input(name)
+        self._captured = {}
+        if x is None:
+            return
+        out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
+        self.count += 1
+        # the parameters' fingerprint tells a wrong computation from corrupted weights
+        self.append(REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay",
+                    f"{name}|{param_hash:016x}")
+        self.spent_s += time.perf_counter() - t0
+        del torch
+
+    def _exchange_input(self, name: str):
+        import torch
+
+        header = torch.zeros(12, dtype=torch.int64)
+        x = self._captured.get(name)
+        if self.rank == self.source:
+            if x is None or str(x.dtype).replace("torch.", "") not in _DTYPES or x.dim() > 10:
+                header[0] = -1
+            else:
+                header[0] = x.dim()
+                header[1] = _DTYPES.index(str(x.dtype).replace("torch.", ""))
+                header[2 : 2 + x.dim()] = torch.tensor(x.shape)
+        self._broadcast(header, src=self.source, group=self.group)
+        if int(header[0]) < 0:
+            return None
+        shape = [int(v) for v in header[2 : 2 + int(header[0])]]
+        dtype = getattr(torch, _DTYPES[int(header[1])])
+        buf = x.contiguous().clone() if self.rank == self.source else torch.empty(shape, dtype=dtype)
+        self._broadcast(buf, src=self.source, group=self.group)
+        return buf
+
+    def _recompute(self, layer, x, step: int) -> tuple[int, int, int]:
+        import torch
+
+        from trainscout.fingerprint import fingerprint
+
+        params = [p for p in layer.parameters() if p.requires_grad]
+        was_training = layer.training
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(step)
+            layer.eval()
+            try:
+                with torch.enable_grad():
+                    inp = x.requires_grad_(True) if x.is_floating_point() else x
+                    out = layer(inp)
+                    g = torch.Generator().manual_seed(step)
+                    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float32).to(out.dtype)
+                    wrt = ([inp] if inp.requires_grad else []) + params
+                    grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+            finally:
+                layer.train(was_training)
+        out_hash = fingerprint(out.detach())
+        return out_hash, _combine(fingerprint(g) for g in grads if g is not None), _combine(
+            fingerprint(p.detach()) for p in params)
+
+
+def _combine(digests) -> int:
+    """Order-sensitive combination of several 64-bit fingerprints."""
+    h = 0
+    for d in digests:
+        h = (h * 0x100000001B3 + d) % (1 << 64)
+    return h

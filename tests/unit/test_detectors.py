@@ -1,0 +1,244 @@
+"""Detectors on plain data: hang, desync, exits, replicated state, non-finite origin, replay."""
+
+from __future__ import annotations
+
+from trainscout.detectors.desync import DesyncDetector
+from trainscout.detectors.exits import ExitDetector
+from trainscout.detectors.nonfinite import NonFiniteDetector
+from trainscout.detectors.observations import RankObs
+from trainscout.detectors.progress import HangDetector
+from trainscout.detectors.replay import ReplayDetector
+from trainscout.detectors.state import ReplicaStateDetector, verified_step
+from trainscout.probe import protocol
+from trainscout.wire.messages import (
+    CollectiveRecord,
+    NonFiniteEvent,
+    PgState,
+    RankExit,
+    RankState,
+    ReplayRecord,
+    StateRecord,
+)
+
+WORLD = [0, 1, 2, 3]
+
+
+def record(seq: int, desc: str = "all_reduce Float[4]", op: str = "all_reduce", rolling: int = 0) -> CollectiveRecord:
+    sig = (desc,)
+    return CollectiveRecord(seq=seq, op=op, desc=desc, entry_hash=protocol.entry_hash(sig),
+                            rolling_hash=rolling, wall_ns=0, step=0)
+
+
+def chain(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
+    h = 0
+    for r in records:
+        h = protocol.chain(h, r.entry_hash)
+        r.rolling_hash = h
+    return records
+
+
+def pg(seq: int, records=None, name: str = "0", members=WORLD, age: float = 0.0) -> PgState:
+    records = chain(records if records is not None else [record(s) for s in range(1, seq + 1)])
+    chained = [r for r in records if r.rolling_hash]
+    return PgState(name=name, desc="default_pg", members=list(members), seq=seq,
+                   rolling_hash=chained[-1].rolling_hash if chained else 0, anchors=[],
+                   recent=records[-4:], seq_age_s=age, chained_seq=chained[-1].seq if chained else 0)
+
+
+def obs(rank: int, pgs, *, progress_age=0.0, heartbeat_age=0.0, step=10, exit=None, seen_at=100.0, **extra) -> RankObs:
+    st = RankState(rank=rank, local_rank=rank, world_size=4, pid=1000 + rank, alive=exit is None, step=step,
+                   heartbeat_age_s=heartbeat_age, progress_age_s=progress_age, collectives=0, pgs=pgs, exit=exit,
+                   **extra)
+    return RankObs(state=st, host="h", seen_at=seen_at)
+
+
+# ---- hang ---------------------------------------------------------------------------------------------
+
+def test_hang_names_the_rank_that_never_entered_the_collective():
+    ranks = {r: obs(r, [pg(45 if r != 2 else 44)], progress_age=6.0) for r in WORLD}
+    suspects = HangDetector(hang_timeout_s=5.0).update(100.0, ranks)
+    assert len(suspects) == 1
+    f = suspects[0].finding
+    assert (f.kind, f.culprit_ranks, f.pg, f.collective_seq, f.status) == ("hang", [2], "0", 45, "attributed")
+    assert suspects[0].stack_ranks == [2]
+
+
+def test_no_hang_before_timeout_and_none_for_a_job_wide_pause():
+    behind = {r: obs(r, [pg(45 if r != 2 else 44)], progress_age=3.0) for r in WORLD}
+    assert HangDetector(hang_timeout_s=5.0).update(100.0, behind) == []
+    paused = {r: obs(r, [pg(45)], progress_age=60.0) for r in WORLD}
+    assert HangDetector(hang_timeout_s=5.0, stall_timeout_s=300.0).update(100.0, paused) == []
+
+
+def test_stall_after_stall_timeout_blames_nobody():
+    paused = {r: obs(r, [pg(45)], progress_age=301.0) for r in WORLD}
+    (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=300.0).update(100.0, paused)
+    assert (s.finding.kind, s.finding.culprit_ranks, s.finding.status) == ("stall", [], "inconclusive")
+
+
+def test_starved_probe_thread_is_reported_as_gil_or_frozen():
+    ranks = {r: obs(r, [pg(45 if r != 3 else 40)], progress_age=6.0, heartbeat_age=6.0 if r == 3 else 0.1)
+             for r in WORLD}
+    (s,) = HangDetector().update(100.0, ranks)
+    assert s.finding.culprit_ranks == [3] and s.finding.evidence["starved_ranks"] == [3]
+
+
+def test_two_ranks_can_detect_but_not_attribute_a_hang():
+    ranks = {r: obs(r, [pg(45 if r == 0 else 44, members=[0, 1])], progress_age=6.0) for r in (0, 1)}
+    (s,) = HangDetector().update(100.0, ranks)
+    assert s.finding.status == "inconclusive" and s.finding.culprit_ranks == []
+
+
+def test_rank_waiting_on_another_group_is_a_process_group_desync():
+    def pgs(r):
+        return [pg(45 if r != 2 else 44), pg(1 if r == 2 else 0, name="1",
+                                             records=[record(1)] if r == 2 else [])]
+    ranks = {r: obs(r, pgs(r), progress_age=6.0) for r in WORLD}
+    (s,) = HangDetector().update(100.0, ranks)
+    assert (s.finding.kind, s.finding.culprit_ranks) == ("desync", [2])
+    assert s.finding.evidence["culprit_group"] == {"pg": "1", "seq": 1}
+
+
+# ---- desync -------------------------------------------------------------------------------------------
+
+def _stream(odd: bool):
+    recs = [record(s) for s in range(1, 45)]
+    recs.append(record(45, "all_reduce Float[4] op=MAX" if odd else "all_reduce Float[4] op=SUM"))
+    return recs
+
+
+def test_desync_names_the_minority_signature_at_the_first_deviating_seq():
+    ranks = {r: obs(r, [pg(45, _stream(r == 1))]) for r in WORLD}
+    findings, fetches = DesyncDetector().update(ranks)
+    assert fetches == []
+    (f,) = findings
+    assert (f.kind, f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == ("desync", [1], 45, "reduce op")
+
+
+def test_desync_with_two_members_is_inconclusive():
+    ranks = {r: obs(r, [pg(45, _stream(r == 1), members=[0, 1])]) for r in (0, 1)}
+    (f,), _ = DesyncDetector().update(ranks)
+    assert f.status == "inconclusive" and f.culprit_ranks == []
+
+
+def test_agreeing_streams_give_nothing():
+    ranks = {r: obs(r, [pg(45, _stream(False))]) for r in WORLD}
+    assert DesyncDetector().update(ranks) == ([], [])
+
+
+def test_old_deviation_outside_the_window_is_pulled_then_named():
+    def stream(odd):
+        recs = [record(s, "all_reduce Float[8]" if (odd and s == 10) else "all_reduce Float[4]") for s in range(1, 46)]
+        return recs
+    ranks = {r: obs(r, [pg(45, stream(r == 3))]) for r in WORLD}
+    det = DesyncDetector()
+    findings, (req,) = det.update(ranks)
+    assert findings == [] and (req.pg, req.seq_from, req.seq_to) == ("0", 1, 45)
+    pulled = {r: chain(stream(r == 3)) for r in WORLD}
+    f = det.resolve(req, pulled)
+    assert (f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == ([3], 10, "shape")
+
+
+# ---- exits --------------------------------------------------------------------------------------------
+
+def _exit(how, code=None, sig=None, msg="", step=20, age=0.0):
+    return RankExit(how=how, code=code, signal=sig, message=msg, step=step, age_s=age)
+
+
+def test_first_own_crash_is_blamed_and_peers_are_collateral():
+    ranks = {
+        0: obs(0, [pg(45)], exit=_exit("exception", 1, msg="RuntimeError: Connection closed by peer"), seen_at=101.0),
+        1: obs(1, [pg(45)], exit=_exit("vanished"), seen_at=100.5),
+        2: obs(2, [pg(45)], exit=_exit("signal", sig=15, msg="received SIGTERM"), seen_at=101.0),
+        3: obs(3, [pg(45)], exit=_exit("signal", sig=15, msg="received SIGTERM"), seen_at=101.0),
+    }
+    (f,) = ExitDetector().update(103.0, ranks, {1: -9}, launcher_done=True)
+    assert (f.kind, f.culprit_ranks, f.evidence["signal"]) == ("crash", [1], "SIGKILL")
+    assert set(f.evidence["collateral"]) == {"0", "2", "3"}
+
+
+def test_clean_end_of_training_gives_no_finding():
+    ranks = {r: obs(r, [pg(45)], step=100, exit=_exit("exit", 0, step=100), seen_at=100.0 + r * 0.1) for r in WORLD}
+    assert ExitDetector().update(110.0, ranks, {}, launcher_done=True) == []
+
+
+def test_clean_exit_while_peers_issue_more_collectives_and_fail_is_early_exit():
+    ranks = {r: obs(r, [pg(46)], exit=_exit("exception", 1, msg="Connection closed by peer"), seen_at=101.0)
+             for r in (0, 1, 3)}
+    ranks[2] = obs(2, [pg(45)], exit=_exit("exit", 0), seen_at=100.0)
+    (f,) = ExitDetector().update(103.0, ranks, {}, launcher_done=True)
+    assert (f.kind, f.culprit_ranks) == ("early_exit", [2])
+
+
+def test_only_teardown_signals_blame_nobody():
+    ranks = {r: obs(r, [pg(45)], exit=_exit("signal", sig=2, msg="received SIGINT")) for r in WORLD}
+    assert ExitDetector().update(105.0, ranks, {}, launcher_done=True) == []
+
+
+# ---- replicated state, non-finite, replay ----------------------------------------------------------------
+
+def test_replicated_state_names_the_corrupted_replica_once():
+    det = ReplicaStateDetector()
+    for step in (30, 31):
+        for r in WORLD:
+            det.add(r, "0", [StateRecord(step=step, tensor="w", start=0, end=64, digest=7 if r != 2 else 9)], 0.0)
+    findings = det.update(1.0, {"0": WORLD}, set(WORLD))
+    assert len(findings) == 1
+    f = findings[0]
+    assert (f.kind, f.culprit_ranks, f.step, f.evidence["tensor"]) == ("sdc", [2], 30, "w")
+    assert det.step_clean == {30: False, 31: False}
+
+
+def test_replicated_state_waits_for_all_replicas_then_times_out():
+    det = ReplicaStateDetector(wait_s=5.0)
+    for r in (0, 1, 3):
+        det.add(r, "0", [StateRecord(step=5, tensor="w", start=0, end=64, digest=7)], 0.0)
+    assert det.update(1.0, {"0": WORLD}, set(WORLD)) == [] and det.compared == 0
+    assert det.update(6.0, {"0": WORLD}, set(WORLD)) == [] and det.compared == 1
+
+
+def test_verified_step_needs_a_whole_clean_rotation():
+    assert verified_step({1: True, 2: True, 3: True, 4: False, 5: True, 6: True}, 3) == 3
+    assert verified_step({1: True, 3: True, 4: True}, 2) == 4
+    assert verified_step({}, 2) == -1
+
+
+def test_nonfinite_origin_is_the_early_minority():
+    ranks = {r: obs(r, [pg(1)], step=31, nonfinite=[NonFiniteEvent(step=32, what="loss")]) for r in WORLD}
+    ranks[2] = obs(2, [pg(1)], step=31, nonfinite=[NonFiniteEvent(step=31, what="grad blocks.0.w")])
+    (f,) = NonFiniteDetector().update(0.0, ranks)
+    assert (f.kind, f.culprit_ranks, f.step, f.status) == ("nonfinite", [2], 31, "attributed")
+
+
+def test_nonfinite_everywhere_at_once_is_inconclusive():
+    ranks = {r: obs(r, [pg(1)], step=31, nonfinite=[NonFiniteEvent(step=31, what="loss")]) for r in WORLD}
+    (f,) = NonFiniteDetector().update(0.0, ranks)
+    assert f.status == "inconclusive" and f.culprit_ranks == []
+
+
+def test_replay_deviation_then_recurrence_confirms_the_device():
+    det = ReplayDetector()
+    for step in (5, 25):
+        for r in WORLD:
+            det.add(r, [ReplayRecord(step=step, layer="blocks.1", output=1 if r != 2 else 2, grads=3)], 0.0)
+    first, confirm = det.update(1.0, WORLD)
+    assert (first.kind, first.culprit_ranks, first.evidence["differs_in"]) == ("sdc", [2], "outputs")
+    assert (confirm.kind, confirm.culprit_ranks, confirm.evidence["deviation_steps"]) == ("health", [2], [5, 25])
+
+
+def test_clean_replays_mark_layers_clean():
+    det = ReplayDetector()
+    for r in WORLD:
+        det.add(r, [ReplayRecord(step=5, layer="head", output=1, grads=3)], 0.0)
+    assert det.update(1.0, WORLD) == [] and det.clean_layers == {"head"}
+
+
+def test_replay_with_different_parameters_is_state_corruption_not_a_faulty_device():
+    det = ReplayDetector()
+    for step in (5, 25):
+        for r in WORLD:
+            det.add(r, [ReplayRecord(step=step, layer="tokens", output=1 if r != 2 else 2, grads=3,
+                                     params=10 if r != 2 else 11)], 0.0)
+    findings = det.update(1.0, WORLD)
+    assert [(f.kind, f.culprit_ranks, f.evidence["differs_in"]) for f in findings] == [
+        ("sdc", [2], "parameters"), ("sdc", [2], "parameters")]
