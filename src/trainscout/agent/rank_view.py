@@ -100,6 +100,7 @@ class RankView:
         self.exit: RankExit | None = None
         self._exit_seen_ns = 0
         self._tensor_names: list[str] = []
+        self._tensor_groups: list[str | None] = []
         self.replica_group: str | None = None
         self.state_period = 0
         self.replay_layers: list[str] = []
@@ -174,9 +175,10 @@ class RankView:
         if tid >= len(self._tensor_names):
             self._load_tensor_table()
         name = self._tensor_names[tid] if tid < len(self._tensor_names) else f"tensor#{tid}"
+        group = self._tensor_groups[tid] if tid < len(self._tensor_groups) else None
         start, _, end = rec["desc"].decode().partition(":")
         self._state_out.append(StateRecord(step=int(rec["step"]), tensor=name, start=int(start), end=int(end),
-                                           digest=int(rec["entry_hash"])))
+                                           digest=int(rec["entry_hash"]), group=group or ""))
 
     def _load_tensor_table(self) -> None:
         try:
@@ -185,6 +187,7 @@ class RankView:
         except (OSError, ValueError):
             return
         self._tensor_names = list(doc.get("tensors", []))
+        self._tensor_groups = list(doc.get("groups", []))
         self.replica_group = doc.get("replica_group")
         self.state_period = int(doc.get("period_steps", 0))
         self.replay_layers = list(doc.get("replay_layers", []))

@@ -25,10 +25,11 @@ class ReplicaStateDetector:
         self.step_clean: dict[int, bool] = {}  # step -> every range compared at that step agreed
 
     def add(self, rank: int, group: str | None, records: list[StateRecord], now: float) -> None:
-        if group is None:
-            return
         for rec in records:
-            key = (group, rec.step, rec.tensor, rec.start, rec.end)
+            g = rec.group or group
+            if not g:
+                continue  # no known class of equal holders
+            key = (g, rec.step, rec.tensor, rec.start, rec.end)
             entry = self._pending.setdefault(key, {"ranks": {}, "t": now})
             entry["ranks"][rank] = rec.digest
             self.max_step = max(self.max_step, rec.step)
@@ -67,12 +68,19 @@ class ReplicaStateDetector:
             majority = ",".join(str(r) for r in sorted(digests) if r not in culprits)
             summary = (f"{rank_list(culprits)} holds different {where} than replicas {majority} "
                        f"after step {step}: replicated state corrupted on {rank_list(culprits)}")
+            if _check_of(tensor) == "all_gather":
+                summary = (f"{rank_list(culprits)} received a different gathered {where} than ranks {majority} "
+                           f"at step {step}: all-gather receivers disagree")
             return Finding(kind=SDC, summary=summary, culprit_ranks=culprits, step=step, pg=group,
-                           evidence={**evidence, "check": "replicated_state"})
+                           evidence={**evidence, "check": _check_of(tensor)})
         summary = (f"replicas disagree on {where} after step {step} and no strict majority agrees "
                    f"({len(digests)} replicas): corruption detected, culprit unknown")
         return Finding(kind=SDC, status="inconclusive", summary=summary, culprit_ranks=[], step=step, pg=group,
-                       confidence=0.5, evidence={**evidence, "check": "replicated_state"})
+                       confidence=0.5, evidence={**evidence, "check": _check_of(tensor)})
+
+
+def _check_of(tensor: str) -> str:
+    return "all_gather" if tensor.startswith("gathered[") else "replicated_state"
 
 
 def verified_step(step_clean: dict[int, bool], period: int) -> int:

@@ -312,6 +312,10 @@ class FaultInjector:
         kind, params, rank = spec.kind, spec.params, self.rank
         if kind != "slow":  # slow fires every step; it was recorded once, when announced in _due_at
             _record(rank, kind, step, params)
+        if kind == "corrupt" and params.get("target") == "gathered":
+            self._corrupt_gathered = dict(params)  # fired by on_gathered, inside the next checked forward
+            _log(f"rank {rank}: corrupt: the next checked all-gathered parameter will be corrupted")
+            return
         if kind in ("corrupt", "nan", "perturb"):
             from trainscout.faults import numeric
 
@@ -354,6 +358,24 @@ class FaultInjector:
             sys.exit(params["code"])
 
     # ---- collectives -------------------------------------------------------------------------------
+
+    def on_gathered(self, module: Any, step: int) -> None:
+        """Called by the probe between an all-gather and its check: corrupt this receiver's copy once."""
+        params = getattr(self, "_corrupt_gathered", None)
+        if not params:
+            return
+        try:
+            import torch
+
+            for name, p in module.named_parameters():
+                if type(p).__name__ != "DTensor" and p.numel() > 0:
+                    with torch.no_grad():
+                        p.view(-1)[0] = p.view(-1)[0] * 1e3 + 1.0
+                    self._corrupt_gathered = None
+                    _log(f"rank {self.rank}: corrupt: gathered {type(module).__name__}.{name} at step {step}")
+                    return
+        except Exception as exc:
+            _log(f"rank {self.rank}: corrupt gathered: not fired: {exc!r}")
 
     def on_init_process_group(self) -> None:
         """Create the side group on every rank (group creation is collective); keep it for a pg desync."""

@@ -35,7 +35,7 @@ KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
 
 CRASH_HOWS = ("kill", "segv", "exception")
 DESYNC_WHATS = ("shape", "dtype", "op", "reduce", "pg")
-CORRUPT_TARGETS = ("param", "state")
+CORRUPT_TARGETS = ("param", "state", "gathered")
 CORRUPT_HOWS = ("bitflip", "sign", "scale", "pct1", "pct100")
 NAN_WHERES = ("param", "grad")
 

@@ -18,6 +18,7 @@ from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
 from trainscout.probe.checkpoints import CheckpointHooks
 from trainscout.probe.collectives import CollectiveTap
+from trainscout.probe.gather_check import GatherCheck
 from trainscout.probe.import_hooks import hooks
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
@@ -48,6 +49,13 @@ class Probe:
             self.state_check = StateCheck(run_id, rank, self.publisher.append_locked,
                                           period=_int_env("TRAINSCOUT_STATE_PERIOD", 16))
         self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step)
+        self.gather_check = None
+        if self.state_check is not None:
+            self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
+                                            lambda name: self.state_check.register(name, _world_group_name()),
+                                            period=_int_env("TRAINSCOUT_GATHER_PERIOD", 4))
+            if self.injector is not None:
+                self.gather_check.before_check = self.injector.on_gathered
         self.param_names: dict[int, str] = {}
         self.model = None
         self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error)
@@ -77,6 +85,9 @@ class Probe:
         h.on_import("torch.optim.optimizer", self._hook_optimizer)
         h.on_import("torch.autograd", self._guarded(self.nonfinite.patch_autograd, "loss check"))
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
+        if self.gather_check is not None:
+            h.on_import("torch.distributed.fsdp._fully_shard._fully_shard",
+                        self._guarded(self.gather_check.wrap, "all-gather check"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
         h.on_import("torch.distributed.checkpoint.state_dict_saver",
                     self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"))
@@ -220,6 +231,12 @@ class Probe:
                 self._error(f"replay disabled: {exc!r}")
         if self.injector is not None:
             self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
+
+
+def _world_group_name() -> str:
+    import torch.distributed as dist
+
+    return dist.group.WORLD.group_name
 
 
 def _int_env(name: str, default: int) -> int:

@@ -34,6 +34,26 @@ class StateCheck:
         self.spent_s = 0.0
         self.checked_bytes = 0
         self.replay_layers: list[str] = []
+        self.table: list[tuple[str, str | None]] = []  # tensor id -> (name, comparison group)
+        self._ids: dict[str, int] = {}
+        self._meta: dict = {}
+
+    def register(self, name: str, group: str | None = None) -> int:
+        """Id of a named tensor in the sidecar table the agent reads (append-only, so ids stay valid)."""
+        tid = self._ids.get(name)
+        if tid is None:
+            tid = self._ids[name] = len(self.table)
+            self.table.append((name, group))
+            self._write_table()
+        return tid
+
+    def _write_table(self) -> None:
+        doc = {"replica_group": self.replica_group, "tensors": [n for n, _ in self.table],
+               "groups": [g for _, g in self.table], "replay_layers": self.replay_layers, **self._meta}
+        path = tensor_table_path(self.run_id, self.rank)
+        with open(path + ".tmp", "w") as fh:
+            json.dump(doc, fh)
+        os.replace(path + ".tmp", path)
 
     def learn_model(self, module, process_group_name: str | None) -> None:
         for name, p in module.named_parameters():
@@ -43,6 +63,8 @@ class StateCheck:
         self._structure = None
 
     def after_step(self, optimizer, step: int) -> None:
+        if self.replica_group is None:
+            return  # no known replicas (e.g. sharded parameters): nothing to compare against
         t0 = time.perf_counter()
         tensors = self._tensors(optimizer)
         structure = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors)
@@ -98,15 +120,11 @@ class StateCheck:
         chunk = -(-chunk // _ALIGN) * _ALIGN
         self._per_step_bytes = chunk
         self._chunks = []
-        for tid, (name, t) in enumerate(tensors):
+        for name, t in tensors:
+            tid = self.register(name, self.replica_group)
             size = t.numel() * t.element_size()
             for start in range(0, size, chunk):
                 self._chunks.append((tid, t, start, min(size, start + chunk)))
         self._next = 0
-        rotation = self._rotation_steps()
-        doc = {"replica_group": self.replica_group, "tensors": [name for name, _ in tensors],
-               "bytes": total, "period_steps": rotation, "replay_layers": self.replay_layers}
-        path = tensor_table_path(self.run_id, self.rank)
-        with open(path + ".tmp", "w") as fh:
-            json.dump(doc, fh)
-        os.replace(path + ".tmp", path)
+        self._meta = {"bytes": total, "period_steps": self._rotation_steps() if self._chunks else 0}
+        self._write_table()

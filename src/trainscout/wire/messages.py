@@ -53,6 +53,7 @@ class StateRecord(msgspec.Struct, array_like=True):
     start: int  # byte range [start, end)
     end: int
     digest: int
+    group: str = ""  # process group whose members must agree on it ("" = the rank's replica group)
 
 
 class NonFiniteEvent(msgspec.Struct, array_like=True):
