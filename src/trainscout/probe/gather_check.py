@@ -61,10 +61,7 @@ class GatherCheck:
                     continue  # still sharded: not gathered here
                 name = f"{label}.{pname}"
                 size = p.numel() * p.element_size()
-                # FSDP frees the gathered storage by resizing it; a CPU path that exposes the storage to
-                # numpy would pin it, so the CPU path hashes a copy
-                data = p.detach().clone() if p.device.type == "cpu" else p.detach()
-                self.append(STATE_PG_INDEX, self.register_tensor(name), fingerprint(data), 0,
+                self.append(STATE_PG_INDEX, self.register_tensor(name), fingerprint(p.detach()), 0,
                             time.time_ns(), step, "state", f"0:{size}")
             self.spent_s += time.perf_counter() - t0
 

@@ -75,7 +75,7 @@ class StateCheck:
             return
         budget = self._per_step_bytes
         spent = 0
-        from trainscout.fingerprint.cpu import fingerprint_range
+        from trainscout.fingerprint import fingerprint_range
 
         while spent < budget:
             tid, t, start, end = self._chunks[self._next]
