@@ -203,8 +203,8 @@ class RankView:
     def _check_exit(self, h) -> None:
         alive, zombie_status = _process_state(self._process)
         if int(h["exit_state"]):
-            if alive and zombie_status is None:
-                return  # recorded but still shutting down; report once it is gone
+            # Report at once, even while the process is still tearing down: a rank that decided to
+            # exit is not a rank that hangs, and its peers may block on it meanwhile.
             code = int(h["exit_code"])
             sig = int(h["exit_signal"]) or None
             self.exit = RankExit(how=h["exit_how"].decode(errors="replace") or "exit",
