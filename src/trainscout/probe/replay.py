@@ -100,7 +100,8 @@ class Replay:
             return None
         shape = [int(v) for v in header[2 : 2 + int(header[0])]]
         dtype = getattr(torch, _DTYPES[int(header[1])])
-        buf = x.contiguous().clone() if self.rank == self.source else torch.empty(shape, dtype=dtype)
+        # the side group is gloo: the input travels through host memory, then goes where the layer is
+        buf = x.detach().to("cpu", copy=True).contiguous() if self.rank == self.source else torch.empty(shape, dtype=dtype)
         self._broadcast(buf, src=self.source, group=self.group)
         return buf
 
@@ -110,16 +111,18 @@ class Replay:
         from trainscout.fingerprint import fingerprint
 
         params = [p for p in layer.parameters() if p.requires_grad]
+        device = next(iter(layer.parameters())).device
+        x = x.to(device)
         was_training = layer.training
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(step)
+        # eval mode draws no random numbers; forking the RNG is a guard for layers that still do
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             layer.eval()
             try:
                 with torch.enable_grad():
                     inp = x.requires_grad_(True) if x.is_floating_point() else x
                     out = layer(inp)
                     g = torch.Generator().manual_seed(step)
-                    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float32).to(out.dtype)
+                    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float32).to(device, out.dtype)
                     wrt = ([inp] if inp.requires_grad else []) + params
                     grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
             finally:
