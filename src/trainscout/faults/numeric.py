@@ -65,12 +65,14 @@ def make_nonfinite(optimizer, names: dict[int, str], params: dict) -> str:
         return f"NaN in parameter {label}"
     handle = None
 
-    def once(param):
-        with torch.no_grad():
-            param.grad.view(-1)[0] = float("nan")
+    def once(grad):
+        # a gradient hook runs before accumulation, so the NaN is in the local gradient the probe checks
         handle.remove()
+        poisoned = grad.clone()
+        poisoned.view(-1)[0] = float("nan")
+        return poisoned
 
-    handle = p.register_post_accumulate_grad_hook(once)
+    handle = p.register_hook(once)
     return f"NaN in the next gradient of {label}"
 
 
