@@ -26,7 +26,7 @@ MONITORING = "monitoring"  # trainscout itself lost part of its view of the job
 KINDS = (HANG, DESYNC, CRASH, EARLY_EXIT, STALL, STRAGGLER, SDC, NONFINITE, HEALTH, HPZ_RACE, MONITORING)
 
 
-class Finding(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Finding(msgspec.Struct, kw_only=True):  # every field in the JSON: readers filter on status, schema
     kind: str
     summary: str  # one line a person reads first
     culprit_ranks: list[int]
@@ -47,7 +47,8 @@ class Finding(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def key(self) -> tuple:
         """Identity used to emit a finding once, however many detection passes see it."""
-        return (self.kind, tuple(sorted(self.culprit_ranks)), self.pg, self.collective_seq)
+        detail = self.evidence.get("check") or self.evidence.get("type")
+        return (self.kind, tuple(sorted(self.culprit_ranks)), self.pg, self.collective_seq, detail)
 
 
 _json_encoder = msgspec.json.Encoder()

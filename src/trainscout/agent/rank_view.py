@@ -15,6 +15,7 @@ from trainscout.probe import protocol
 from trainscout.probe.nonfinite import NONFINITE_PG_INDEX
 from trainscout.probe.replay import REPLAY_PG_INDEX
 from trainscout.probe.state_check import STATE_PG_INDEX
+from trainscout.probe.step_timing import STEP_PG_INDEX
 from trainscout.wire.messages import (
     ANCHOR_EVERY,
     CollectiveRecord,
@@ -24,6 +25,7 @@ from trainscout.wire.messages import (
     RankState,
     ReplayRecord,
     StateRecord,
+    StepRecord,
 )
 
 RECENT_IN_DIGEST = 4
@@ -84,7 +86,8 @@ class PgTrack:
 
     def recent(self, n: int) -> list[CollectiveRecord]:
         chained = list(self.records)[-n:] if n else []
-        return chained + [self.pending[s] for s in sorted(self.pending)][:n]
+        # the newest records matter most (a hang or abort happens at the latest collective)
+        return chained + [self.pending[s] for s in sorted(self.pending)[-n:]] if n else []
 
 
 class RankView:
@@ -106,6 +109,7 @@ class RankView:
         self.replay_layers: list[str] = []
         self._state_out: list[StateRecord] = []
         self._replays_out: list[ReplayRecord] = []
+        self._steps_out: list[StepRecord] = []
         self.nonfinite: list[NonFiniteEvent] = []
 
     def refresh(self) -> None:
@@ -146,6 +150,12 @@ class RankView:
         idx = int(rec["pg_index"])
         if idx == STATE_PG_INDEX:
             self._ingest_state(rec)
+            return
+        if idx == STEP_PG_INDEX:
+            data_us, _, ckpt_us = rec["desc"].decode().partition(":")
+            self._steps_out.append(StepRecord(step=int(rec["step"]), wall_s=int(rec["rolling_hash"]) / 1e9,
+                                              cpu_s=int(rec["entry_hash"]) / 1e9, data_s=int(data_us) / 1e6,
+                                              ckpt_s=int(ckpt_us or 0) / 1e6))
             return
         if idx == REPLAY_PG_INDEX:
             layer, _, params = rec["desc"].decode(errors="replace").partition("|")
@@ -194,6 +204,10 @@ class RankView:
 
     def take_state(self) -> list[StateRecord]:
         out, self._state_out = self._state_out, []
+        return out
+
+    def take_steps(self) -> list[StepRecord]:
+        out, self._steps_out = self._steps_out, []
         return out
 
     def take_replays(self) -> list[ReplayRecord]:
@@ -256,7 +270,7 @@ class RankView:
             collectives=int(h["collectives"]), pgs=pgs, exit=exit_, cpu_percent=cpu,
             probe_errors=errors, fr_available=bool(int(h["fr_available"])),
             replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
-            replays=self.take_replays(), state_period=self.state_period, replay_layers=self.replay_layers,
+            replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period, replay_layers=self.replay_layers,
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

@@ -24,6 +24,7 @@ from trainscout.detectors.state import ReplicaStateDetector, verified_step
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector, Suspect
 from trainscout.detectors.replay import ReplayDetector
+from trainscout.detectors.straggler import StragglerDetector
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
 from trainscout.wire.endpoints import CoordinatorEndpoint
@@ -59,7 +60,7 @@ class PendingFetch:
 class Coordinator:
     def __init__(self, endpoint: CoordinatorEndpoint, run_dir: str, console: ConsoleSink, *,
                  hang_timeout_s: float = 5.0, stall_timeout_s: float = 300.0, abort_on: set[str] | None = None,
-                 stack_timeout_s: float = 4.0, agent_silence_s: float = 5.0) -> None:
+                 stack_timeout_s: float = 4.0, agent_silence_s: float = 2.0) -> None:
         self.endpoint = endpoint
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
@@ -70,6 +71,7 @@ class Coordinator:
         self.state = ReplicaStateDetector()
         self.nonfinite = NonFiniteDetector()
         self.replay = ReplayDetector()
+        self.straggler = StragglerDetector()
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
         self.agent_silence_s = agent_silence_s
@@ -97,6 +99,8 @@ class Coordinator:
         if node["lost"]:
             node["lost"] = False
             self.console.info(f"agent {node['name']} is reporting again")
+        if isinstance(msg, (NodeDigest, Hello)):
+            node["agent"] = True  # the supervisor's one-off launcher report is not an agent
         if isinstance(msg, NodeDigest):
             node["host"] = msg.host
             for st in msg.ranks:
@@ -106,6 +110,8 @@ class Coordinator:
                     self.state.add(st.rank, st.replica_group, st.state, now)
                 if st.replays:
                     self.replay.add(st.rank, st.replays, now)
+                if st.steps:
+                    self.straggler.add(st.rank, st.steps, now)
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
         elif isinstance(msg, StackReport):
@@ -136,25 +142,27 @@ class Coordinator:
         if self.aborting:
             self._flush_due(now)
             return
-        findings, fetches = self.desync.update(self.ranks)
+        self._watch_agents(now)  # first: a silent agent's ranks must not be judged in this very pass
+        # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
+        seen = {r: o for r, o in self.ranks.items() if not self.nodes.get(self.rank_node.get(r), {}).get("lost")}
+        findings, fetches = self.desync.update(seen)
         for f in findings:
             self.emit(f, now)
         for req in fetches:
             self._start_fetch(req, now)
-        for suspect in self.hang.update(now, self.ranks):
+        for suspect in self.hang.update(now, seen):
             self._start_stacks(suspect, now)
         members = {pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members}
-        live = {r for r, o in self.ranks.items() if o.state.alive}
+        live = {r for r, o in seen.items() if o.state.alive}
         replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
         for f in (self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks)
-                  + self.replay.update(now, replicas)):
+                  + self.replay.update(now, replicas) + self.straggler.update(now, live)):
             self.emit(f, now)
         if self.root_found:
             self.exits.done = True  # later exits follow from the fault already named
         for f in self.exits.update(now, self.ranks, self.launcher_codes, self.launcher_done):
             self.emit(f, now)
         self._flush_due(now)
-        self._watch_agents(now)
         self._publish_trust(now)
 
     def trust(self) -> dict:
@@ -205,6 +213,10 @@ class Coordinator:
         pending.finding.stacks[str(msg.rank)] = f"[{msg.method}]\n{text}"
         pending.waiting.discard(msg.rank)
 
+    def _stale(self, finding: Finding) -> bool:
+        """True if the evidence came (partly) from an agent that has gone silent since."""
+        return any(n.get("lost") for n in self.nodes.values() if n.get("agent"))
+
     def _start_fetch(self, req: FetchRequest, now: float) -> None:
         rid = next(self.request_ids)
         by_node: dict[bytes, list[int]] = {}
@@ -227,6 +239,9 @@ class Coordinator:
         for rid, p in list(self.pending_stacks.items()):
             if not p.waiting or now >= p.deadline:
                 del self.pending_stacks[rid]
+                if self._stale(p.finding):
+                    self.events.write("suspect_dropped", request=rid, reason="an agent went silent meanwhile")
+                    continue
                 self.emit(p.finding, now)
         for rid, p in list(self.pending_fetch.items()):
             if not p.waiting or now >= p.deadline:
@@ -271,7 +286,7 @@ class Coordinator:
 
     def _watch_agents(self, now: float) -> None:
         for node in self.nodes.values():
-            if not node["gone"] and not node["lost"] and now - node["last"] > self.agent_silence_s:
+            if node.get("agent") and not node["gone"] and not node["lost"] and now - node["last"] > self.agent_silence_s:
                 node["lost"] = True
                 self.console.warn(f"lost contact with the agent of node {node['name']}: "
                                   "monitoring of its ranks is interrupted")
@@ -300,7 +315,8 @@ class Coordinator:
             got = self.endpoint.recv(50)
             if got is not None:
                 self.handle(got[0], got[1], time.monotonic())
-            elif self.nodes and all(n["gone"] for n in self.nodes.values()):
+            elif any(n.get("agent") for n in self.nodes.values()) and all(
+                    n["gone"] for n in self.nodes.values() if n.get("agent")):
                 break
         self.launcher_done = True
         now = time.monotonic()
@@ -310,6 +326,7 @@ class Coordinator:
         for p in self.pending_fetch.values():
             p.deadline = now
         self._flush_due(now)
+        self.events.write("straggler_trace", steps=[list(t) for t in list(self.straggler.trace)[-120:]])
         self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected),
                           state_ranges_compared=self.state.compared, replays_compared=self.replay.replays_compared)
         self.endpoint.close()

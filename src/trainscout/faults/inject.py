@@ -35,7 +35,9 @@ FAULT_LOG_ENV = "TRAINSCOUT_FAULT_LOG"
 
 # Faults driven by the optimizer step; the order says what goes first when several are due at one step:
 # the ones that return (slow, pause) before the ones that never do.
-_STEP_KINDS = ("slow", "pause", "corrupt", "nan", "perturb", "hang", "gil", "crash", "exit")
+_STEP_KINDS = ("slow", "straggle", "dataslow", "ckptslow", "pause", "corrupt", "nan", "perturb", "hang", "gil",
+               "crash", "exit")
+_EVERY_STEP = ("slow", "straggle")  # fire at every step from spec.step on; the others fire once
 
 # Positional parameter names of the torch.distributed functions the probe may wrap (torch 2.13), so an
 # argument can be read or replaced whether the caller passed it by position or by keyword.
@@ -279,6 +281,7 @@ class FaultInjector:
         for numerical faults.
         """
         self._optimizer, self._names, self._model = optimizer, dict(names or {}), model
+        self._measure_cpu()
         try:
             due = self._due_at(step)
         except Exception as exc:
@@ -294,13 +297,12 @@ class FaultInjector:
             for index, spec in enumerate(self.specs):
                 if spec.kind not in _STEP_KINDS or step < spec.step:
                     continue
-                if spec.kind == "slow":
+                if spec.kind in _EVERY_STEP:
                     due.append((index, spec))
                     if index not in self._fired:
-                        self._fired.add(index)  # marks "announced": slow logs once, sleeps every step
+                        self._fired.add(index)  # marks "announced": logs once, acts every step
                         _record(self.rank, spec.kind, step, spec.params)
-                        _log(f"rank {self.rank}: slow: sleeping {spec.params['ms']:g} ms per step "
-                             f"from step {step}")
+                        _log(f"rank {self.rank}: {spec.kind}: {spec.params} every step from step {step}")
                 elif index not in self._fired:
                     # >= rather than ==: a probe attached a few steps late still fires the fault once.
                     self._fired.add(index)
@@ -310,8 +312,14 @@ class FaultInjector:
 
     def _fire(self, spec: FaultSpec, step: int) -> None:
         kind, params, rank = spec.kind, spec.params, self.rank
-        if kind != "slow":  # slow fires every step; it was recorded once, when announced in _due_at
+        if kind not in _EVERY_STEP:  # those act every step; they were recorded once, when announced
             _record(rank, kind, step, params)
+        if kind == "straggle":
+            self._straggle(step, params)
+            return
+        if kind in ("dataslow", "ckptslow"):
+            self._arm_slow_io(kind, params)
+            return
         if kind == "corrupt" and params.get("target") == "gathered":
             self._corrupt_gathered = dict(params)  # fired by on_gathered, inside the next checked forward
             _log(f"rank {rank}: corrupt: the next checked all-gathered parameter will be corrupted")
@@ -358,6 +366,51 @@ class FaultInjector:
             sys.exit(params["code"])
 
     # ---- collectives -------------------------------------------------------------------------------
+
+    def _straggle(self, step: int, params: Mapping[str, Any]) -> None:
+        """Extra CPU work: `factor` times this rank's own CPU time per step (measured before the fault)."""
+        if step % int(params.get("every", 1)):
+            return
+        target = float(params["factor"]) * getattr(self, "_cpu_per_step", 0.0)
+        t0 = time.process_time()
+        while time.process_time() - t0 < target:
+            sum(i * i for i in range(2000))
+        self._burnt = time.process_time() - t0
+
+    def _measure_cpu(self) -> None:
+        now = time.process_time()
+        last = getattr(self, "_cpu_last", None)
+        if last is not None and not any(s.kind == "straggle" and i in self._fired for i, s in enumerate(self.specs)):
+            spent = now - last
+            ema = getattr(self, "_cpu_per_step", None)
+            self._cpu_per_step = spent if ema is None else 0.8 * ema + 0.2 * spent
+        self._cpu_last = now
+
+    def _arm_slow_io(self, kind: str, params: Mapping[str, Any]) -> None:
+        """dataslow: every DataLoader batch from now on takes `ms` longer; ckptslow: every torch.save."""
+        delay = float(params["ms"]) / 1000.0
+        # Slow the work itself (fetching a batch, serialising a checkpoint), below the entry points the
+        # probe times, as a slow disk or loader would.
+        if kind == "dataslow":
+            from torch.utils.data import dataloader as module
+
+            targets = [(module._SingleProcessDataLoaderIter, "_next_data"),
+                       (module._MultiProcessingDataLoaderIter, "_next_data")]
+        else:
+            import torch.serialization as module
+
+            targets = [(module, "_save"), (module, "_legacy_save")]
+        for owner, attr in targets:
+            real = getattr(owner, attr, None)
+            if real is None:
+                continue
+
+            def slowed(*args, _real=real, **kwargs):
+                time.sleep(delay)
+                return _real(*args, **kwargs)
+
+            setattr(owner, attr, slowed)
+        _log(f"rank {self.rank}: {kind}: +{params['ms']:g} ms per {'batch' if kind == 'dataslow' else 'save'}")
 
     def on_gathered(self, module: Any, step: int) -> None:
         """Called by the probe between an all-gather and its check: corrupt this receiver's copy once."""

@@ -30,6 +30,9 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
     "corrupt": {"target": "param", "tensor": "", "how": "bitflip"},
     "nan": {"where": "param", "tensor": ""},
     "perturb": {"layer": "", "eps": 1e-3},
+    "straggle": {"factor": 0.3, "every": 1},
+    "dataslow": {"ms": 200.0},
+    "ckptslow": {"ms": 500.0},
 }
 KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
 
@@ -121,6 +124,10 @@ _PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
     ("nan", "tensor"): lambda key, text, token: text,
     ("perturb", "layer"): lambda key, text, token: text,
     ("perturb", "eps"): _parse_nonneg_float,
+    ("straggle", "factor"): _parse_nonneg_float,
+    ("straggle", "every"): lambda key, text, token: _parse_int(key, text, token, minimum=1),
+    ("dataslow", "ms"): _parse_nonneg_float,
+    ("ckptslow", "ms"): _parse_nonneg_float,
 }
 
 

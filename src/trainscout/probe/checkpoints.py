@@ -59,7 +59,8 @@ def write_certificate(cert: dict, target: str) -> str | None:
 
 
 class CheckpointHooks:
-    def __init__(self, run_id: str, rank: int, get_step, on_error) -> None:
+    def __init__(self, run_id: str, rank: int, get_step, on_error, on_duration=None) -> None:
+        self.on_duration = on_duration  # (wall s, cpu s) spent saving, for the step timings
         self.run_id = run_id
         self.rank = rank
         self.get_step = get_step
@@ -76,12 +77,20 @@ class CheckpointHooks:
         except Exception as exc:
             self.on_error(f"checkpoint certificate not written: {exc!r}")
 
+    def _spent(self, wall_s: float, cpu_s: float) -> None:
+        if self.on_duration is not None:
+            self.on_duration(wall_s, cpu_s)
+
     def wrap_torch_save(self, module) -> None:
         real = module.save
         hooks = self
 
         def save(obj, f, *args, **kwargs):
-            result = real(obj, f, *args, **kwargs)
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                result = real(obj, f, *args, **kwargs)
+            finally:
+                hooks._spent(time.perf_counter() - t0, time.process_time() - c0)
             hooks._after_save(f, "torch.save")
             return result
 
@@ -96,7 +105,11 @@ class CheckpointHooks:
         hooks = self
 
         def dcp_save(*args, **kwargs):
-            result = real(*args, **kwargs)
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                result = real(*args, **kwargs)
+            finally:
+                hooks._spent(time.perf_counter() - t0, time.process_time() - c0)
             target = kwargs.get("checkpoint_id")
             if target is None and len(args) > 1:
                 target = args[1]

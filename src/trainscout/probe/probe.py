@@ -24,6 +24,7 @@ from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
 from trainscout.probe.replay import Replay
 from trainscout.probe.state_check import StateCheck
+from trainscout.probe.step_timing import StepTiming
 
 STACK_SIGNAL = signal.SIGRTMIN + 5  # the agent sends it to get a faulthandler stack dump
 
@@ -58,7 +59,8 @@ class Probe:
                 self.gather_check.before_check = self.injector.on_gathered
         self.param_names: dict[int, str] = {}
         self.model = None
-        self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error)
+        self.timing = StepTiming(self.publisher.append_locked)
+        self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self._ckpt_time)
         every = _int_env("TRAINSCOUT_REPLAY_EVERY", 100)
         self.replay = Replay(self.publisher.append_locked, every, rank) if every > 0 else None
         self._replay_group = None
@@ -88,6 +90,7 @@ class Probe:
         if self.gather_check is not None:
             h.on_import("torch.distributed.fsdp._fully_shard._fully_shard",
                         self._guarded(self.gather_check.wrap, "all-gather check"))
+        h.on_import("torch.utils.data.dataloader", self._guarded(self.timing.wrap_dataloader, "data-loader timing"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
         h.on_import("torch.distributed.checkpoint.state_dict_saver",
                     self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"))
@@ -150,6 +153,9 @@ class Probe:
             module.destroy_process_group = destroy_process_group
         except Exception as exc:
             self._error(f"torch.distributed patching failed: {exc!r}")
+
+    def _ckpt_time(self, wall_s: float, cpu_s: float) -> None:
+        self.timing.add_checkpoint(wall_s, cpu_s)
 
     def _guarded(self, fn, what: str):
         def run(module) -> None:
@@ -214,6 +220,7 @@ class Probe:
         self.step += 1
         self.writer.set("step", self.step)
         self.writer.set("step_ns", time.monotonic_ns())
+        self.timing.after_step(self.step)
         if self.step == 1:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self.nonfinite.hook_params(params, self.param_names)

@@ -69,6 +69,16 @@ class ReplayRecord(msgspec.Struct, array_like=True):
     params: int = 0  # combined fingerprint of the layer's parameters (equal on healthy replicas)
 
 
+class StepRecord(msgspec.Struct, array_like=True):
+    """One optimizer step of one rank: durations measured by the rank itself (no clock comparison)."""
+
+    step: int
+    wall_s: float  # since the previous step ended
+    cpu_s: float  # process CPU time in that span
+    data_s: float  # time inside DataLoader iteration
+    ckpt_s: float  # time inside torch.save / torch.distributed.checkpoint.save
+
+
 class RankState(msgspec.Struct, array_like=True):
     rank: int
     local_rank: int
@@ -88,6 +98,7 @@ class RankState(msgspec.Struct, array_like=True):
     state: list[StateRecord] = []  # fingerprints taken since the previous digest
     nonfinite: list[NonFiniteEvent] = []  # first non-finite values seen (all of them, capped by the probe)
     replays: list[ReplayRecord] = []  # replay fingerprints since the previous digest
+    steps: list[StepRecord] = []  # step timings since the previous digest
     state_period: int = 0  # steps one replicated-state rotation takes (0: state check off)
     replay_layers: list[str] = []  # layers the replay rotation covers (empty: replay off)
 

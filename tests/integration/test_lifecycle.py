@@ -1,0 +1,96 @@
+"""How `trainscout run` starts and ends: the job's exit code, Ctrl-C, and bad input.
+
+`trainscout run` must be transparent to whatever wraps it (a scheduler reads the exit code), must leave
+nothing behind when interrupted (no rank, agent or coordinator process, no shared memory), and must
+reject bad input before starting anything, naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import (
+    PY,
+    free_port,
+    processes_of_run,
+    run_under_trainscout,
+    shm_files_of_run,
+    torchrun_cmd,
+    trainscout_cmd,
+    unique_run_id,
+)
+
+
+@pytest.mark.slow
+def test_exit_code_of_the_command_is_passed_through(tmp_path):
+    result = run_under_trainscout(tmp_path, "exit3", [PY, "-c", "import sys; sys.exit(3)"])
+
+    assert result.returncode == 3, result.describe()
+    summary = result.run_path / "summary.md"
+    assert summary.exists(), result.describe()
+    assert "Exit code: 3" in summary.read_text(), summary.read_text()
+    assert result.findings == [], result.describe()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_job_and_every_trainscout_process(jobs, tmp_path):
+    run_id = unique_run_id("ctrlc")
+    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()),
+                          "-m", "trainscout.demo.train", "--steps", "100000")
+    job = jobs(trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain",
+                              "--", *launch), tmp_path, run_id)
+    job.wait_for_launcher_text("step 10")
+    tools = [c for c in psutil.Process(job.pid).children(recursive=True)]
+    assert len(processes_of_run(run_id)) >= 3, "launcher and 2 ranks should be running"
+    assert shm_files_of_run(run_id), "the ranks' channels should exist while training"
+
+    job.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+    try:
+        code = job.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"trainscout did not exit within 60 s of Ctrl-C\n{job.output()[-4000:]}")
+
+    # torchrun ends with 1 when interrupted, and trainscout returns the launcher's exit code
+    assert code == 1, job.output()[-4000:]
+    deadline = time.monotonic() + 5  # reaping of the last children may trail the exit by a moment
+    while time.monotonic() < deadline and (processes_of_run(run_id) or any(_alive(p) for p in tools)):
+        time.sleep(0.1)
+    assert processes_of_run(run_id) == [], "processes of the run outlived Ctrl-C"
+    assert [p.pid for p in tools if _alive(p)] == [], "agent/coordinator/launcher outlived Ctrl-C"
+    assert shm_files_of_run(run_id) == [], "shared memory of the run was left in /dev/shm"
+    assert (tmp_path / run_id / "summary.md").exists()
+    assert "step 100000" not in job.output()
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainscout", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_without_a_command_is_a_usage_error(tmp_path):
+    done = _cli("run", "--run-dir", str(tmp_path))
+    assert done.returncode == 2, done
+    assert "give the launch command after --" in done.stderr, done.stderr
+    assert "trainscout run -- torchrun" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing should be started or written"
+
+
+def test_bad_inject_spec_is_a_usage_error_naming_the_token(tmp_path):
+    done = _cli("run", "--run-dir", str(tmp_path), "--inject", "bogus", "--", PY, "-c", "pass")
+    assert done.returncode == 2, done
+    assert "'bogus'" in done.stderr, done.stderr
+    assert "valid kinds" in done.stderr and "hang" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing should be started or written"
