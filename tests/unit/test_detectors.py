@@ -18,6 +18,7 @@ from trainscout.wire.messages import (
     RankState,
     ReplayRecord,
     StateRecord,
+    StepRecord,
 )
 
 WORLD = [0, 1, 2, 3]
@@ -242,3 +243,52 @@ def test_replay_with_different_parameters_is_state_corruption_not_a_faulty_devic
     findings = det.update(1.0, WORLD)
     assert [(f.kind, f.culprit_ranks, f.evidence["differs_in"]) for f in findings] == [
         ("sdc", [2], "parameters"), ("sdc", [2], "parameters")]
+
+
+# ---- stragglers -------------------------------------------------------------------------------------------
+
+def _steps(det, first, last, cpu_of, data_of=lambda r, s: 0.001):
+    import random
+
+    rng = random.Random(0)
+    for step in range(first, last + 1):
+        for r in WORLD:
+            noise = 1 + rng.uniform(-0.03, 0.03)
+            det.add(r, [StepRecord(step=step, wall_s=0.1, cpu_s=cpu_of(r, step) * noise, data_s=data_of(r, step),
+                                   ckpt_s=0.0)], 0.0)
+
+
+def test_compute_straggler_is_named_with_its_slowdown():
+    from trainscout.detectors.straggler import StragglerDetector
+
+    det = StragglerDetector()
+    _steps(det, 1, 30, lambda r, s: 0.03 * (1.3 if r == 2 and s > 10 else 1.0))
+    (f,) = det.update(1.0, set(WORLD))
+    assert (f.kind, f.culprit_ranks, f.evidence["type"]) == ("straggler", [2], "compute")
+    assert 1.2 < f.evidence["ratio"] < 1.4 and 11 < f.step <= 30
+
+
+def test_uniformly_slow_job_has_no_straggler():
+    from trainscout.detectors.straggler import StragglerDetector
+
+    det = StragglerDetector()
+    _steps(det, 1, 60, lambda r, s: 0.03 * (2.0 if s > 20 else 1.0))
+    assert det.update(1.0, set(WORLD)) == []
+
+
+def test_intermittent_straggler_is_named_with_its_period():
+    from trainscout.detectors.straggler import StragglerDetector
+
+    det = StragglerDetector()
+    _steps(det, 1, 70, lambda r, s: 0.03 * (3.0 if r == 1 and s % 10 == 0 else 1.0))
+    (f,) = det.update(1.0, set(WORLD))
+    assert (f.culprit_ranks, f.evidence["intermittent"], f.evidence["period"]) == ([1], True, 10)
+
+
+def test_data_loading_stall_is_named_as_such():
+    from trainscout.detectors.straggler import StragglerDetector
+
+    det = StragglerDetector()
+    _steps(det, 1, 30, lambda r, s: 0.03, data_of=lambda r, s: 0.2 if r == 3 and s > 5 else 0.001)
+    (f,) = det.update(1.0, set(WORLD))
+    assert (f.culprit_ranks, f.evidence["type"]) == ([3], "data_loading")
