@@ -302,7 +302,12 @@ class FaultInjector:
                     if index not in self._fired:
                         self._fired.add(index)  # marks "announced": logs once, acts every step
                         _record(self.rank, spec.kind, step, spec.params)
-                        _log(f"rank {self.rank}: {spec.kind}: {spec.params} every step from step {step}")
+                        if spec.kind == "slow":
+                            _log(f"rank {self.rank}: slow: sleeping {spec.params['ms']:g} ms per step "
+                                 f"from step {step}")
+                        else:
+                            _log(f"rank {self.rank}: straggle: {spec.params['factor']:g}x extra CPU work every "
+                                 f"{spec.params['every']} step(s) from step {step}")
                 elif index not in self._fired:
                     # >= rather than ==: a probe attached a few steps late still fires the fault once.
                     self._fired.add(index)
