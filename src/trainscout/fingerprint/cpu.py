@@ -190,6 +190,7 @@ def _sum_pieces(words: np.ndarray, word_base: int, pieces: list[tuple[int, int]]
     return sum_a & M32, sum_b & M32
 
 
+@functools.lru_cache(maxsize=1)
 def default_threads() -> int:
     # Inside a training process every core is the job's: one thread unless asked (TRAINSCOUT_FINGERPRINT_THREADS).
     try:

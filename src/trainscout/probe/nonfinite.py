@@ -24,10 +24,12 @@ class NonFiniteCheck:
         self.reports = 0
         self._reported_steps: set[tuple[int, str]] = set()
         self._hooked: set[int] = set()
+        self._sums: list = []
         self.names: dict[int, str] = {}
 
-    def _report(self, what: str, name: str) -> None:
-        step = self.get_step() + 1  # the step being computed: `step` optimizer steps are done
+    def _report(self, what: str, name: str, step_offset: int = 1) -> None:
+        # the step being computed: `step` optimizer steps are done (after the step hook: offset 0)
+        step = self.get_step() + step_offset
         if self.reports >= _MAX_REPORTS or (step, what) in self._reported_steps:
             return
         self._reported_steps.add((step, what))
@@ -62,12 +64,26 @@ class NonFiniteCheck:
             name = names.get(id(p), "")
 
             def hook(param, name=name):
+                # One cheap op per gradient, before DDP reduces it: NaN/Inf anywhere makes the sum
+                # non-finite. The sums are judged together once per step (check_step).
                 try:
-                    import torch
-
-                    if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
-                        self._report("grad", name)
+                    if param.grad is not None:
+                        self._sums.append((name, param.grad.detach().sum()))
                 except Exception:
                     pass
 
             p.register_post_accumulate_grad_hook(hook)
+
+    def check_step(self) -> None:
+        """Called after the optimizer step: report the first gradient whose local sum was not finite."""
+        sums, self._sums = self._sums, []
+        if not sums:
+            return
+        try:
+            import torch
+
+            finite = torch.isfinite(torch.stack([s.float() for _, s in sums]))
+            if not bool(finite.all()):
+                self._report("grad", sums[int((~finite).nonzero()[0])][0], step_offset=0)
+        except Exception:
+            pass

@@ -221,6 +221,7 @@ class Probe:
         self.writer.set("step", self.step)
         self.writer.set("step_ns", time.monotonic_ns())
         self.timing.after_step(self.step)
+        self.nonfinite.check_step()
         if self.step == 1:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self.nonfinite.hook_params(params, self.param_names)

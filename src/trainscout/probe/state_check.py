@@ -29,6 +29,7 @@ class StateCheck:
         self.names: dict[int, str] = {}  # id(param) -> name, from the model when the probe saw it
         self.replica_group: str | None = None
         self._structure: tuple | None = None
+        self._quick: tuple | None = None
         self._chunks: list[tuple[int, object, int, int]] = []  # (tensor id, tensor, start, end)
         self._next = 0
         self.spent_s = 0.0
@@ -66,11 +67,17 @@ class StateCheck:
         if self.replica_group is None:
             return  # no known replicas (e.g. sharded parameters): nothing to compare against
         t0 = time.perf_counter()
-        tensors = self._tensors(optimizer)
-        structure = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors)
-        if structure != self._structure:
-            self._structure = structure
-            self._plan(tensors)
+        # Rebuilding the tensor list walks every parameter: do it only when the cheap signature moved
+        # (optimizer state appears after the first step) or every 64 steps as a safety net.
+        quick = (len(optimizer.param_groups), sum(len(g["params"]) for g in optimizer.param_groups),
+                 len(optimizer.state), id(self._structure))
+        if quick != self._quick or step % 64 == 0:
+            tensors = self._tensors(optimizer)
+            structure = tuple((name, t.dtype, tuple(t.shape), t.data_ptr()) for name, t in tensors)
+            if structure != self._structure:
+                self._structure = structure
+                self._plan(tensors)
+            self._quick = (quick[0], quick[1], quick[2], id(self._structure))
         if not self._chunks:
             return
         budget = self._per_step_bytes
