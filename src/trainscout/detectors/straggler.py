@@ -30,7 +30,8 @@ class Metric:
 
 
 METRICS = (
-    Metric("cpu_s", "compute", rel=0.05, abs_s=0.001),
+    # 15 %: ranks sharing oversubscribed cores differ by several percent in CPU per step for the same work
+    Metric("cpu_s", "compute", rel=0.15, abs_s=0.002),
     Metric("data_s", "data_loading", rel=0.5, abs_s=0.02),
     Metric("ckpt_s", "checkpoint_write", rel=0.5, abs_s=0.05),
 )
