@@ -80,7 +80,20 @@ def machine() -> dict[str, str]:
     except Exception:
         torch_version = "?"
     return {"nproc": str(os.cpu_count()), "cpu": cpu, "ram": ram, "torch": torch_version,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "code_start": code_version()}
+
+
+def code_version() -> str:
+    """The commit measured, plus uncommitted changes under src/: others commit to this tree while benchmarks run."""
+    try:
+        head = subprocess.run(["git", "log", "-1", "--format=%h %cd %s", "--date=format:%H:%M:%S"], cwd=REPO,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=REPO, capture_output=True,
+                               text=True, timeout=10).stdout.split("\n")
+        dirty = [line[3:] for line in dirty if line.strip()]
+        return head + (f" (+ uncommitted: {', '.join(dirty)})" if dirty else "")
+    except Exception as exc:
+        return f"unknown ({exc!r})"
 
 
 def command_line() -> str:
@@ -131,6 +144,7 @@ def append_results(title: str, info: dict[str, str], command: str, body: str) ->
         f"- machine: {info['nproc']} cores, {info['cpu']}, {info['ram']} RAM; torch {info['torch']}, "
         f"python {info['python']}",
         f"- command: `{command}`",
+        f"- code: at start `{info.get('code_start', '?')}`; at end `{code_version()}`",
         "",
     ]
     if not RESULTS_MD.exists():

@@ -50,7 +50,8 @@ def one_run(fault: str, index: int, args: argparse.Namespace, out: Path) -> dict
     row = {"fault": fault, "run_id": run_id, "run_dir": str(out / run_id), "code": res.code,
            "wall_s": round(res.wall_s, 2), "timed_out": res.timed_out, "load": round(res.load_before, 2),
            "fired": bool(fired), "n_findings": len(findings),
-           "findings": [{"kind": f.get("kind"), "culprits": f.get("culprit_ranks"), "status": f.get("status"),
+           "findings": [{"kind": f.get("kind"), "culprits": f.get("culprit_ranks"),
+                         "status": f.get("status", "attributed"),  # omitted from JSON when default
                          "summary": f.get("summary")} for f in findings]}
     latency = first_seen = None
     correct = False
@@ -66,18 +67,17 @@ def one_run(fault: str, index: int, args: argparse.Namespace, out: Path) -> dict
 
 
 def summarise(rows: list[dict], faults: list[str]) -> tuple[list[str], list[list[str]]]:
-    header = ["fault", "expected", "n", "correct/n", "min s", "median s", "p90 s", "max s", "<= 10 s"]
+    header = ["fault", "expected", "n", "correct/n", "min s", "median s", "p90 s", "max s", "runs <= 10 s"]
     table = []
     for fault in faults:
         mine = [r for r in rows if r["fault"] == fault]
         lat = [r["latency_s"] for r in mine if r["latency_s"] is not None]
         ok = sum(r["correct"] for r in mine)
-        worst = max(lat) if lat else None
-        meets = "yes" if lat and len(lat) == len(mine) and percentile(lat, 90) <= BAR_S else "no"
-        if lat and meets == "yes" and worst > BAR_S:
-            meets = "p90 yes, max no"
-        table.append([fault, FAULTS[fault][1], str(len(mine)), f"{ok}/{len(mine)}", fmt(min(lat) if lat else None),
-                      fmt(median(lat) if lat else None), fmt(percentile(lat, 90) if lat else None), fmt(worst), meets])
+        within = sum(1 for x in lat if x <= BAR_S)  # a run with no finding counts as missing the bar
+        table.append([fault, FAULTS[fault][1], str(len(mine)), f"{ok}/{len(mine)}",
+                      fmt(min(lat) if lat else None), fmt(median(lat) if lat else None),
+                      fmt(percentile(lat, 90) if lat else None), fmt(max(lat) if lat else None),
+                      f"{within}/{len(mine)}"])
     return header, table
 
 

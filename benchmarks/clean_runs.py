@@ -1,0 +1,137 @@
+"""False positives: healthy demo jobs that trainscout must leave alone (zero findings, the job's own exit code).
+
+Three kinds of healthy run, all 4 CPU ranks (gloo DDP, tiny GPT), >= 100 steps:
+  plain  `trainscout demo --fault none`: nothing wrong at all;
+  slow   `trainscout demo --fault slow --rank all --step 0 --param ms=30`: every rank uniformly slow, so no
+         rank is a straggler and nobody is to blame;
+  pause  `trainscout run -- torchrun ... trainscout.demo.train --pause-at 50 --pause-seconds 12`: every rank
+         checkpoints and sleeps longer than the 5 s hang timeout, a job-wide pause that is not a hang.
+The kinds are interleaved so a burst of load on the shared machine does not fall on one kind only. A run
+passes when it has zero findings and exits 0.
+
+    .venv/bin/python benchmarks/clean_runs.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (PYTHON, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
+                     launch, machine, markdown_table, median, read_jsonl, text_table, uptime)
+
+
+def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str) -> list[str]:
+    common = ["--console", "plain", "--run-dir", str(out), "--run-id", run_id]
+    port = str(free_port())
+    if kind == "plain":
+        return [PYTHON, "-m", "trainscout", "demo", "--fault", "none", "--steps", str(args.steps),
+                "--master-port", port, *common]
+    if kind == "slow":
+        return [PYTHON, "-m", "trainscout", "demo", "--fault", "slow", "--rank", "all", "--step", "0",
+                "--param", f"ms={args.slow_ms:g}", "--steps", str(args.steps), "--master-port", port, *common]
+    if kind == "pause":
+        return [PYTHON, "-m", "trainscout", "run", *common, "--",
+                PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", port,
+                "-m", "trainscout.demo.train", "--steps", str(args.steps), "--pause-at", str(args.pause_at),
+                "--pause-seconds", f"{args.pause_seconds:g}"]
+    raise ValueError(kind)
+
+
+def schedule(plain: int, slow: int, pause: int) -> list[str]:
+    """Spread the slow and pause runs evenly among the plain ones."""
+    order: list[tuple[float, str]] = [((i + 0.5) / plain, "plain") for i in range(plain)]
+    order += [((i + 0.33) / max(slow, 1), "slow") for i in range(slow)]
+    order += [((i + 0.66) / max(pause, 1), "pause") for i in range(pause)]
+    return [kind for _, kind in sorted(order)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plain", type=int, default=16)
+    parser.add_argument("--slow", type=int, default=2)
+    parser.add_argument("--pause", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--slow-ms", type=float, default=30.0)
+    parser.add_argument("--pause-at", type=int, default=50)
+    parser.add_argument("--pause-seconds", type=float, default=12.0)
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is stopped")
+    parser.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default /tmp/...)")
+    parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")
+    args = parser.parse_args()
+    out = args.out_dir or default_out_dir("clean")
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    info["date"] = date_utc()
+    up_before = uptime()
+    print(f"out dir: {out}\nuptime before: {up_before}", flush=True)
+
+    rows: list[dict] = []
+    counts: dict[str, int] = {}
+    for kind in schedule(args.plain, args.slow, args.pause):
+        counts[kind] = counts.get(kind, 0) + 1
+        run_id = f"clean-{kind}-{counts[kind]:02d}"
+        cmd = demo_cmd(kind, args, out, run_id)
+        res = launch(cmd, out / f"{run_id}.out", timeout_s=args.timeout)
+        findings = read_jsonl(out / run_id / "findings.jsonl")
+        launcher_log = out / run_id / "launcher.log"
+        done = launcher_log.exists() and "done:" in launcher_log.read_text(errors="replace")
+        row = {"kind": kind, "run_id": run_id, "run_dir": str(out / run_id), "code": res.code,
+               "timed_out": res.timed_out, "wall_s": round(res.wall_s, 2), "load": round(res.load_before, 2),
+               "trained_to_end": done, "command": " ".join(cmd),
+               "findings": [{"kind": f.get("kind"), "culprits": f.get("culprit_ranks"),
+                             "status": f.get("status", "attributed"),  # omitted from JSON when default
+                             "summary": f.get("summary")} for f in findings]}
+        row["passed"] = not findings and res.code == 0 and not res.timed_out
+        rows.append(row)
+        with (out / "clean.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(f"{run_id}: findings={len(findings)} {[(f['kind'], f['culprits']) for f in row['findings']]} "
+              f"exit={res.code} trained_to_end={done} wall {res.wall_s:.1f} s load {res.load_before:.2f}", flush=True)
+    up_after = uptime()
+
+    header = ["run", "kind", "findings", "exit", "trained to end", "wall s", "load"]
+    table = [[r["run_id"], r["kind"],
+              "; ".join(f"{f['kind']} {f['culprits']} {f['status']}" for f in r["findings"]) or "0",
+              str(r["code"]) + (" (timed out)" if r["timed_out"] else ""), "yes" if r["trained_to_end"] else "no",
+              fmt(r["wall_s"], 1), fmt(r["load"])] for r in rows]
+    totals_header = ["kind", "runs", "runs with findings", "findings", "exit != 0"]
+    totals = []
+    for kind in ("plain", "slow", "pause"):
+        mine = [r for r in rows if r["kind"] == kind]
+        if mine:
+            totals.append([kind, str(len(mine)), str(sum(1 for r in mine if r["findings"])),
+                           str(sum(len(r["findings"]) for r in mine)), str(sum(1 for r in mine if r["code"] != 0))])
+    totals.append(["all", str(len(rows)), str(sum(1 for r in rows if r["findings"])),
+                   str(sum(len(r["findings"]) for r in rows)), str(sum(1 for r in rows if r["code"] != 0))])
+    print()
+    print(text_table(totals_header, totals))
+    print()
+    print(text_table(header, table))
+    print(f"uptime after: {up_after}")
+
+    failed = [r for r in rows if not r["passed"]]
+    loads = [r["load"] for r in rows]
+    body = [f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
+            f"{fmt(median(loads))}, max {fmt(max(loads))}",
+            f"- {args.steps} steps per run; slow = {args.slow_ms:g} ms on every rank from step 0; pause = every rank "
+            f"checkpoints and sleeps {args.pause_seconds:g} s after step {args.pause_at} (hang timeout 5 s); "
+            f"run dirs under `{out}`",
+            "- pass = zero findings and exit code 0",
+            "", markdown_table(totals_header, totals), "", markdown_table(header, table), ""]
+    body.append(f"Passed {len(rows) - len(failed)}/{len(rows)}." if not failed else
+                f"**Failed {len(failed)}/{len(rows)}:** " + "; ".join(
+                    f"`{r['run_id']}` ({r['run_dir']}): exit {r['code']}, findings "
+                    f"{[(f['kind'], f['culprits'], f['summary']) for f in r['findings']]}" for r in failed))
+    if not args.no_record:
+        append_results("False positives on clean runs (benchmarks/clean_runs.py)", info, command_line(),
+                       "\n".join(body))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
