@@ -77,20 +77,21 @@ class CheckpointHooks:
         except Exception as exc:
             self.on_error(f"checkpoint certificate not written: {exc!r}")
 
-    def _spent(self, wall_s: float, cpu_s: float) -> None:
-        if self.on_duration is not None:
-            self.on_duration(wall_s, cpu_s)
+    def _timed(self, real, *args, **kwargs):
+        """Call a saver and report its wall and CPU time (checkpoint-write stall timings)."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            if self.on_duration is not None:
+                self.on_duration(time.perf_counter() - t0, time.process_time() - c0)
 
     def wrap_torch_save(self, module) -> None:
         real = module.save
         hooks = self
 
         def save(obj, f, *args, **kwargs):
-            t0, c0 = time.perf_counter(), time.process_time()
-            try:
-                result = real(obj, f, *args, **kwargs)
-            finally:
-                hooks._spent(time.perf_counter() - t0, time.process_time() - c0)
+            result = hooks._timed(real, obj, f, *args, **kwargs)
             hooks._after_save(f, "torch.save")
             return result
 
@@ -105,11 +106,7 @@ class CheckpointHooks:
         hooks = self
 
         def dcp_save(*args, **kwargs):
-            t0, c0 = time.perf_counter(), time.process_time()
-            try:
-                result = real(*args, **kwargs)
-            finally:
-                hooks._spent(time.perf_counter() - t0, time.process_time() - c0)
+            result = hooks._timed(real, *args, **kwargs)
             target = kwargs.get("checkpoint_id")
             if target is None and len(args) > 1:
                 target = args[1]
