@@ -25,7 +25,7 @@ from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, Record
 
 class Agent:
     def __init__(self, run_id: str, coordinator: str, secret: bytes, node_id: str,
-                 interval_s: float = 0.5, tick_s: float = 0.1, stack_method: str = "py-spy") -> None:
+                 interval_s: float = 0.5, tick_s: float = 0.5, stack_method: str = "py-spy") -> None:
         self.run_id = run_id
         self.node_id = node_id
         self.host = socket.gethostname()

@@ -106,6 +106,9 @@ class RankView:
         self._tensor_groups: list[str | None] = []
         self.replica_group: str | None = None
         self.state_period = 0
+        self.state_slots = 0
+        self._table_checked = 0.0
+        self._table_mtime = 0
         self.replay_layers: list[str] = []
         self._state_out: list[StateRecord] = []
         self._replays_out: list[ReplayRecord] = []
@@ -182,7 +185,7 @@ class RankView:
 
     def _ingest_state(self, rec) -> None:
         tid = int(rec["seq"])
-        if tid >= len(self._tensor_names):
+        if tid >= len(self._tensor_names) or self._tensor_table_changed():
             self._load_tensor_table()
         name = self._tensor_names[tid] if tid < len(self._tensor_names) else f"tensor#{tid}"
         group = self._tensor_groups[tid] if tid < len(self._tensor_groups) else None
@@ -190,7 +193,22 @@ class RankView:
         self._state_out.append(StateRecord(step=int(rec["step"]), tensor=name, start=int(start), end=int(end),
                                            digest=int(rec["entry_hash"]), group=group or ""))
 
+    def _tensor_table_changed(self) -> bool:
+        """The probe rewrites the table when its schedule changes (stride, slots): look once a second."""
+        now = time.monotonic()
+        if now < self._table_checked + 1.0:
+            return False
+        self._table_checked = now
+        try:
+            return os.stat(tensor_table_path(self.run_id, self.rank)).st_mtime_ns != self._table_mtime
+        except OSError:
+            return False
+
     def _load_tensor_table(self) -> None:
+        try:
+            self._table_mtime = os.stat(tensor_table_path(self.run_id, self.rank)).st_mtime_ns
+        except OSError:
+            pass
         try:
             with open(tensor_table_path(self.run_id, self.rank)) as fh:
                 doc = json.load(fh)
@@ -200,6 +218,7 @@ class RankView:
         self._tensor_groups = list(doc.get("groups", []))
         self.replica_group = doc.get("replica_group")
         self.state_period = int(doc.get("period_steps", 0))
+        self.state_slots = int(doc.get("slots", 0))
         self.replay_layers = list(doc.get("replay_layers", []))
 
     def take_state(self) -> list[StateRecord]:
@@ -270,7 +289,7 @@ class RankView:
             collectives=int(h["collectives"]), pgs=pgs, exit=exit_, cpu_percent=cpu,
             probe_errors=errors, fr_available=bool(int(h["fr_available"])),
             replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
-            replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period, replay_layers=self.replay_layers,
+            replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period, state_slots=self.state_slots, replay_layers=self.replay_layers,
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

@@ -12,6 +12,8 @@ Pure logic: no torch, no I/O.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -29,13 +31,14 @@ MAD_FLOOR_FRACTION = 1e-3
 MAD_FLOOR_ABS = 1e-12
 
 
-def median_mad(x: np.ndarray) -> tuple[float, float]:
+def median_mad(x) -> tuple[float, float]:
     """Median and (unscaled) median absolute deviation of a non-empty 1-D sample."""
-    x = np.asarray(x, dtype=np.float64).reshape(-1)
-    if x.size == 0:
+    values = [float(v) for v in np.asarray(x, dtype=np.float64).reshape(-1)] if isinstance(x, np.ndarray) else \
+        [float(v) for v in x]
+    if not values:
         raise ValueError("median_mad of an empty sample")
-    median = float(np.median(x))
-    return median, float(np.median(np.abs(x - median)))
+    median = statistics.median(values)
+    return median, statistics.median([abs(v - median) for v in values])
 
 
 def vote_statistical(
@@ -54,35 +57,35 @@ def vote_statistical(
     inconclusive: suspects exist but there are fewer than `min_members` members, or the normal members are
     not a strict majority; the suspects are then listed in evidence, never as outliers.
     Non-finite samples raise ValueError: the caller decides what a missing timing means.
+    Plain Python, not numpy: the coordinator votes every step on a handful of values, where numpy's
+    per-call cost is ten times the work.
     """
     n = len(samples)
-    members = np.fromiter(samples.keys(), dtype=np.int64, count=n)
-    x = np.fromiter(samples.values(), dtype=np.float64, count=n)
-    if not np.all(np.isfinite(x)):
+    items = [(int(m), float(v)) for m, v in samples.items()]
+    if not all(math.isfinite(v) for _, v in items):
         raise ValueError("timing samples must be finite")
     if n == 0:
         return Verdict(AGREE, (), None, {"n": 0})
-    median, mad = median_mad(x)
+    median, mad = median_mad([v for _, v in items])
     scale = MAD_TO_SIGMA * max(mad, MAD_FLOOR_FRACTION * abs(median), MAD_FLOOR_ABS)
-    excess = x - median
-    z = excess / scale
-    # All three conditions: relative alone flags microsecond jitter, absolute alone flags 1% of a long step,
-    # z alone flags anything when peers agree exactly.
-    flagged = (excess > rel_threshold * median) & (excess > abs_threshold)
-    # Below min_members a spread is meaningless (with 2 members z is always 0.67), so a clear relative and
-    # absolute gap alone makes the class disagree; such a verdict is inconclusive below anyway.
-    if n >= min_members:
-        flagged &= z > z_threshold
     evidence: dict[str, Any] = {"n": n, "median": median, "mad": mad}
-    idx = np.flatnonzero(flagged)
-    if idx.size == 0:
+    suspects = []
+    for member, v in items:
+        excess = v - median
+        # All three conditions: relative alone flags microsecond jitter, absolute alone flags 1% of a long
+        # step, z alone flags anything when peers agree exactly. Below min_members a spread is meaningless
+        # (with 2 members z is always 0.67), so a clear relative and absolute gap alone makes the class
+        # disagree; such a verdict is inconclusive below anyway.
+        if excess > rel_threshold * median and excess > abs_threshold and (
+                n < min_members or excess / scale > z_threshold):
+            suspects.append((member, v, excess / scale))
+    if not suspects:
         return Verdict(AGREE, (), median, evidence)
-    idx = idx[np.argsort(members[idx])]  # suspects in ascending member order
-    suspect_ids = members[idx].tolist()
+    suspects.sort()  # suspects in ascending member order
+    suspect_ids = [m for m, _, _ in suspects]
     # Ratio x/median is what a person reads ("rank 13 is 2.1x slower"); undefined for a median <= 0.
-    ratios = (x[idx] / median).tolist() if median > 0 else [None] * idx.size
-    evidence["ratios"] = dict(zip(suspect_ids, ratios))
-    evidence["z"] = dict(zip(suspect_ids, z[idx].tolist()))
+    evidence["ratios"] = {m: (v / median if median > 0 else None) for m, v, _ in suspects}
+    evidence["z"] = {m: z for m, _, z in suspects}
     # Too few members for a median to mean anything, or no strict majority of normal members: detect only.
     if n < min_members or 2 * len(suspect_ids) >= n:
         evidence["suspects"] = suspect_ids

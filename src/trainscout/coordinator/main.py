@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.nonfinite import NonFiniteDetector
-from trainscout.detectors.state import ReplicaStateDetector, verified_step
+from trainscout.detectors.state import ReplicaStateDetector, verified_window
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector, Suspect
 from trainscout.detectors.replay import ReplayDetector
@@ -169,11 +169,12 @@ class Coordinator:
         """What a checkpoint saved now can claim (see probe/checkpoints.py)."""
         live = [o.state for o in self.ranks.values()]
         period = max((s.state_period for s in live), default=0)
+        slots = max((s.state_slots for s in live), default=0)
         layers = sorted({layer for s in live for layer in s.replay_layers})
         integrity = [f for f in self.findings if f.kind in INTEGRITY_KINDS]
         suspect_since = min((f.step or 0 for f in integrity), default=None)
-        verified = verified_step(self.state.step_clean, period)
-        if suspect_since is not None and verified - period + 1 > suspect_since:
+        verified, first = verified_window(self.state.step_clean, slots)
+        if suspect_since is not None and first > suspect_since:
             suspect_since = None  # a whole clean rotation after the finding re-verified the state
         return {"verified_step": verified, "state_period": period, "suspect_since": suspect_since,
                 "replay_layers": layers, "replay_rotation_clean": set(layers) <= self.replay.clean_layers,
@@ -293,13 +294,13 @@ class Coordinator:
                 self.events.write("agent_lost", node=node["name"])
 
     # ---- main loop ------------------------------------------------------------------------
-    def run(self, detect_every_s: float = 0.25) -> None:
+    def run(self, detect_every_s: float = 0.5) -> None:
         next_detect = 0.0
         parent = os.getppid()
         while not self.stop:
             if os.getppid() != parent:
                 break  # the supervisor is gone (killed hard): do not linger as an orphan
-            got = self.endpoint.recv(50)
+            got = self.endpoint.recv(int(max(1.0, (next_detect - time.monotonic()) * 1000)))
             now = time.monotonic()
             if got is not None:
                 self.handle(got[0], got[1], now)

@@ -48,7 +48,8 @@ class ReplicaStateDetector:
                 continue
             self.compared += 1
             verdict = vote_exact(entry["ranks"])
-            self.step_clean[step] = self.step_clean.get(step, True) and verdict.status == "agree"
+            if _check_of(tensor) == "replicated_state":
+                self.step_clean[step] = self.step_clean.get(step, True) and verdict.status == "agree"
             if verdict.status == "agree":
                 continue
             finding = self._finding(verdict, entry["ranks"], group, step, tensor, start, end)
@@ -83,19 +84,24 @@ def _check_of(tensor: str) -> str:
     return "all_gather" if tensor.startswith("gathered[") else "replicated_state"
 
 
-def verified_step(step_clean: dict[int, bool], period: int) -> int:
-    """Largest step S whose last `period` steps were all compared and clean (-1 if none)."""
-    if period <= 0:
-        return -1
-    best, run, previous = -1, 0, None
+def verified_window(step_clean: dict[int, bool], slots: int) -> tuple[int, int]:
+    """(S, first): S is the largest compared step such that the clean steps since the last dirty one, up to
+    S, visited every one of `slots` slots (step s checks slot s mod slots); `first` is the oldest of those
+    slot checks, so the state is verified as of S by checks made at steps >= first. (-1, -1) if none."""
+    if slots <= 0:
+        return -1, -1
+    best = (-1, -1)
+    last_clean: dict[int, int] = {}  # slot -> latest clean step since the last dirty step
     for step in sorted(step_clean):
         if not step_clean[step]:
-            run = 0
-        elif previous is not None and step == previous + 1 and run > 0:
-            run += 1
-        else:
-            run = 1  # a gap in compared steps restarts the count
-        previous = step
-        if run >= period:
-            best = step
+            last_clean.clear()
+            continue
+        last_clean[step % slots] = step
+        if len(last_clean) == slots:
+            best = (step, min(last_clean.values()))
     return best
+
+
+def verified_step(step_clean: dict[int, bool], slots: int) -> int:
+    """Largest step S as of which every slot was compared clean since the last disagreement (-1 if none)."""
+    return verified_window(step_clean, slots)[0]

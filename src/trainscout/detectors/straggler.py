@@ -11,6 +11,7 @@ compared, so no cross-host clock agreement is needed. A uniformly slow job has n
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -88,13 +89,13 @@ class StragglerDetector:
             w = self._windows.setdefault((r, metric.label), deque(maxlen=self.window))
             w.append(x)
             if len(w) == self.window:
-                windowed[r] = float(np.median(w))
+                windowed[r] = statistics.median(w)
         outliers: set[int] = set()
         median = 0.0
         if len(windowed) >= 3:
             verdict = vote_statistical(windowed, rel_threshold=metric.rel, abs_threshold=metric.abs_s)
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
-            median = float(np.median(list(windowed.values())))
+            median = statistics.median(windowed.values())
         self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
                            sorted(spikes)))
         for r in samples:

@@ -42,14 +42,17 @@ class Probe:
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
         self.publisher = Publisher(self.writer, run_id, rank, self.tap, lambda: self.step,
-                                   tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.1")),
-                                   buffer_entries=_int_env("TORCH_FR_BUFFER_SIZE", 1024))
+                                   tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.5")),
+                                   buffer_entries=_int_env("TORCH_FR_BUFFER_SIZE", 256))
         self.tap.record_sync = self.publisher.record_sync
         self.state_check = None
         if os.environ.get("TRAINSCOUT_STATE_CHECK", "1") != "0":
             self.state_check = StateCheck(run_id, rank, self.publisher.append_locked,
-                                          period=_int_env("TRAINSCOUT_STATE_PERIOD", 16))
-        self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step)
+                                          budget=_float_env("TRAINSCOUT_STATE_BUDGET", 0.005),
+                                          period=_int_env("TRAINSCOUT_STATE_PERIOD", 0))
+        self.nonfinite = None
+        if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
+            self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step)
         self.gather_check = None
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
@@ -85,7 +88,8 @@ class Probe:
         h = hooks()
         h.on_import("torch.distributed.distributed_c10d", self._patch_c10d)
         h.on_import("torch.optim.optimizer", self._hook_optimizer)
-        h.on_import("torch.autograd", self._guarded(self.nonfinite.patch_autograd, "loss check"))
+        if self.nonfinite is not None:
+            h.on_import("torch.autograd", self._guarded(self.nonfinite.patch_autograd, "loss check"))
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
         if self.gather_check is not None:
             h.on_import("torch.distributed.fsdp._fully_shard._fully_shard",
@@ -180,7 +184,8 @@ class Probe:
                 pg_name = getattr(ddp.process_group, "group_name", None)
                 if probe.state_check is not None:
                     probe.state_check.learn_model(ddp.module, pg_name)
-                probe.nonfinite.hook_params(ddp.module.parameters(), names)
+                if probe.nonfinite is not None:
+                    probe.nonfinite.hook_params(ddp.module.parameters(), names)
                 probe.model = ddp.module
                 probe._attach_replay(ddp)
             except Exception as exc:
@@ -221,13 +226,14 @@ class Probe:
         self.writer.set("step", self.step)
         self.writer.set("step_ns", time.monotonic_ns())
         self.timing.after_step(self.step)
-        self.nonfinite.check_step()
-        if self.step == 1:
+        if self.nonfinite is not None:
+            self.nonfinite.check_step()
+        if self.step == 1 and self.nonfinite is not None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self.nonfinite.hook_params(params, self.param_names)
         if self.state_check is not None:
             try:
-                self.state_check.after_step(optimizer, self.step)
+                self.state_check.after_step(optimizer, self.step, self.timing.last_wall_s)
             except Exception as exc:  # fail open
                 self.state_check = None
                 self._error(f"replicated-state check disabled: {exc!r}")
@@ -250,6 +256,13 @@ def _world_group_name() -> str:
 def _int_env(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _float_env(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
     except ValueError:
         return default
 

@@ -29,7 +29,7 @@ _KEEP_SYNCED = 4096
 
 class Publisher(threading.Thread):
     def __init__(self, writer: ChannelWriter, run_id: str, rank: int, tap, get_step,
-                 tick_s: float = 0.1, buffer_entries: int = 1024) -> None:
+                 tick_s: float = 0.5, buffer_entries: int = 256) -> None:
         super().__init__(name="trainscout-probe", daemon=True)
         self.writer = writer
         self.run_id = run_id
@@ -38,11 +38,11 @@ class Publisher(threading.Thread):
         self.get_step = get_step
         self.tick_s = tick_s
         # A full dump costs a few microseconds per buffered entry, so dump as rarely as the buffer allows:
-        # every 0.5 s, faster when a dump finds the buffer filling up (it must never wrap between dumps).
+        # every 2 s, faster when a dump finds the buffer filling up (it must never wrap between dumps).
         self.buffer_entries = max(16, buffer_entries)
-        self.slowest_gap_ns = 500_000_000
-        self.fastest_gap_ns = int(tick_s * 1e9)
-        self.min_dump_gap_ns = self.slowest_gap_ns
+        self.slowest_gap_ns = 2_000_000_000
+        self.fastest_gap_ns = int(min(tick_s, 0.1) * 1e9)
+        self.min_dump_gap_ns = 1_000_000_000
         self.stop_event = threading.Event()
         self.lock = threading.Lock()
         self._poll_lock = threading.Lock()

@@ -1,10 +1,15 @@
-"""Replicated-state fingerprints: after the optimizer step, hash parameters and optimizer state in chunks.
+"""Replicated-state fingerprints: after the optimizer step, hash parameters and optimizer state in slots.
 
 Data-parallel replicas (DDP, ZeRO-1/2, HSDP replicas) must hold bit-identical parameters and optimizer
 state after every step. Hashing everything every step would cost a full pass over memory, so the state
-is cut into byte ranges and `period` steps cover it once; every replica follows the same schedule (it
-depends only on the step number and the state's structure, which replicas share), so the coordinator
-compares the same range at the same step across replicas and names the odd one out.
+is cut into `n` slots of byte ranges and step `s` hashes slot `s mod n`, only on steps that are a multiple
+of a power-of-two stride. The stride is chosen so the hashing costs at most `budget` (default 0.5 %) of
+the measured step time.
+
+Replicas need not agree on the stride: slot `s mod n` depends only on the step and the state's structure
+(which replicas share), so every step two replicas both hash is comparable, and with `n` odd the steps of
+any power-of-two stride still visit every slot. The coordinator compares per (step, tensor, range) and names
+the odd one out. A fixed `period` (slots = period, every step) replaces the budget when set, for tests.
 """
 
 from __future__ import annotations
@@ -17,21 +22,27 @@ from trainscout.channel.layout import tensor_table_path
 
 STATE_PG_INDEX = -1  # ring records with this pg index are state fingerprints, not collectives
 _ALIGN = 4
+_TARGET_SLOTS = 63  # odd; fewer when the state is small (slots never go below min_chunk bytes)
+_MAX_STRIDE = 1 << 12
 
 
 class StateCheck:
-    def __init__(self, run_id: str, rank: int, append, period: int = 16, min_chunk: int = 64 * 1024) -> None:
+    def __init__(self, run_id: str, rank: int, append, *, budget: float = 0.005, period: int = 0,
+                 min_chunk: int = 256 * 1024, initial_stride: int = 16) -> None:
         self.run_id = run_id
         self.rank = rank
         self.append = append  # (pg_index, seq, entry_hash, rolling, wall_ns, step, op, desc)
-        self.period = max(1, period)
+        self.budget = budget
+        self.fixed_period = max(0, period)
         self.min_chunk = min_chunk
+        self.stride = 1 if self.fixed_period else max(1, initial_stride)
         self.names: dict[int, str] = {}  # id(param) -> name, from the model when the probe saw it
         self.replica_group: str | None = None
         self._structure: tuple | None = None
         self._quick: tuple | None = None
-        self._chunks: list[tuple[int, object, int, int]] = []  # (tensor id, tensor, start, end)
-        self._next = 0
+        self._slots: list[list[tuple[int, object, int, int]]] = []  # slot -> [(tensor id, tensor, start, end)]
+        self._cost_s = 0.0  # smoothed seconds per hashed step
+        self._wall_s = 0.0  # smoothed seconds per training step
         self.spent_s = 0.0
         self.checked_bytes = 0
         self.replay_layers: list[str] = []
@@ -63,9 +74,13 @@ class StateCheck:
             self.replica_group = process_group_name
         self._structure = None
 
-    def after_step(self, optimizer, step: int) -> None:
+    def after_step(self, optimizer, step: int, step_wall_s: float = 0.0) -> None:
         if self.replica_group is None:
             return  # no known replicas (e.g. sharded parameters): nothing to compare against
+        if step_wall_s > 0:
+            self._wall_s = step_wall_s if not self._wall_s else 0.9 * self._wall_s + 0.1 * step_wall_s
+        if step % self.stride and self._slots:
+            return
         t0 = time.perf_counter()
         # Rebuilding the tensor list walks every parameter: do it only when the cheap signature moved
         # (optimizer state appears after the first step) or every 64 steps as a safety net.
@@ -78,35 +93,41 @@ class StateCheck:
                 self._structure = structure
                 self._plan(tensors)
             self._quick = (quick[0], quick[1], quick[2], id(self._structure))
-        if not self._chunks:
+        if not self._slots or step % self.stride:
             return
-        budget = self._per_step_bytes
-        spent = 0
         from trainscout.fingerprint import fingerprint_range
 
-        while spent < budget:
-            tid, t, start, end = self._chunks[self._next]
-            self._next = (self._next + 1) % len(self._chunks)
+        spent = 0
+        for tid, t, start, end in self._slots[step % len(self._slots)]:
             h = fingerprint_range(t, start, end)
             self.append(STATE_PG_INDEX, tid, h, start, time.time_ns(), step, "state", f"{start}:{end}")
             spent += end - start
-            if self._next == 0:
-                break  # a step never wraps: each covers a slice of one rotation, rotations start aligned
         self.checked_bytes += spent
-        self.spent_s += time.perf_counter() - t0
+        cost = time.perf_counter() - t0
+        self.spent_s += cost
+        self._cost_s = cost if not self._cost_s else 0.8 * self._cost_s + 0.2 * cost
+        self._adapt_stride()
 
-    def _rotation_steps(self) -> int:
-        """How many steps after_step takes to cover every chunk once (same loop, no hashing)."""
-        steps, i = 0, 0
-        while True:
-            steps += 1
-            spent = 0
-            while spent < self._per_step_bytes:
-                _, _, start, end = self._chunks[i]
-                i = (i + 1) % len(self._chunks)
-                spent += end - start
-                if i == 0:
-                    return steps
+    def _adapt_stride(self) -> None:
+        """Keep cost per hashed step / stride within budget x step time (hysteresis: halve only at 1/4)."""
+        if self.fixed_period or self._wall_s <= 0 or self.budget <= 0:
+            return
+        need = self._cost_s / (self.budget * self._wall_s)
+        stride = self.stride
+        while stride < need and stride < _MAX_STRIDE:
+            stride *= 2
+        while stride > 1 and need < stride / 4:
+            stride //= 2
+        if stride != self.stride:
+            self.stride = stride
+            self._meta["stride"] = stride
+            self._meta["period_steps"] = stride * len(self._slots)
+            self._write_table()
+
+    @property
+    def period_steps(self) -> int:
+        """Steps one full pass over the state takes at the current stride."""
+        return self.stride * len(self._slots)
 
     def _tensors(self, optimizer) -> list[tuple[str, object]]:
         out = []
@@ -123,15 +144,31 @@ class StateCheck:
 
     def _plan(self, tensors) -> None:
         total = sum(t.numel() * t.element_size() for _, t in tensors)
-        chunk = max(self.min_chunk, -(-total // self.period))
+        target = self.fixed_period or _TARGET_SLOTS
+        chunk = max(self.fixed_period and 1 or self.min_chunk, -(-total // target))
         chunk = -(-chunk // _ALIGN) * _ALIGN
-        self._per_step_bytes = chunk
-        self._chunks = []
+        # Pack byte ranges into slots of about `chunk` bytes; small tensors share a slot.
+        slots: list[list[tuple[int, object, int, int]]] = [[]]
+        filled = 0
         for name, t in tensors:
             tid = self.register(name, self.replica_group)
             size = t.numel() * t.element_size()
             for start in range(0, size, chunk):
-                self._chunks.append((tid, t, start, min(size, start + chunk)))
-        self._next = 0
-        self._meta = {"bytes": total, "period_steps": self._rotation_steps() if self._chunks else 0}
+                end = min(size, start + chunk)
+                if filled and filled + (end - start) > chunk:
+                    slots.append([])
+                    filled = 0
+                slots[-1].append((tid, t, start, end))
+                filled += end - start
+        slots = [s for s in slots if s]
+        if self.fixed_period:
+            while len(slots) < self.fixed_period and any(len(s) > 1 for s in slots):
+                big = max(range(len(slots)), key=lambda i: len(slots[i]))  # spread to use the whole period
+                half = len(slots[big]) // 2
+                slots[big:big + 1] = [slots[big][:half], slots[big][half:]]
+        elif len(slots) % 2 == 0 and slots:
+            slots.append(slots[0])  # an odd count lets every power-of-two stride reach every slot
+        self._slots = slots
+        self._meta = {"bytes": total, "slots": len(slots), "stride": self.stride,
+                      "period_steps": self.period_steps, "budget": self.budget}
         self._write_table()

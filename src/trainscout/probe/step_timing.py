@@ -21,6 +21,7 @@ class StepTiming:
         self.data_s = 0.0
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
+        self.last_wall_s = 0.0
 
     def after_step(self, step: int) -> None:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -28,6 +29,7 @@ class StepTiming:
         compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s)
         self.append(STEP_PG_INDEX, step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9),
                     time.time_ns(), step, "step", f"{data_us}:{ckpt_us}")
+        self.last_wall_s = wall - self._wall
         self._wall, self._cpu = wall, cpu
         self.data_s = self.ckpt_s = self.io_cpu_s = 0.0
 

@@ -43,7 +43,7 @@ class RunOptions:
     node_id: str | None = None
     stack_method: str = "py-spy"
     console: str = "auto"
-    fr_buffer: int = 1024
+    fr_buffer: int = 256
     quiet_launcher: bool = False
 
 
@@ -179,12 +179,15 @@ class Supervisor:
             pass
 
     def _wait_launcher(self) -> int:
-        while True:
-            try:
-                code = self.launcher.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                self._watch_tools()
+        # Popen.wait(timeout) polls every few ms; a waiter thread blocks in waitpid instead, so the
+        # supervisor wakes once a second to watch the tools and costs the training job nothing.
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (self.launcher.wait(), done.set()), daemon=True,
+                                  name="launcher-wait")
+        waiter.start()
+        while not done.wait(1.0):
+            self._watch_tools()
+        code = self.launcher.wait()
         # the launcher is gone; anything it left behind in its process group goes too
         try:
             os.killpg(self.launcher.pid, signal.SIGKILL)

@@ -100,6 +100,7 @@ class RankState(msgspec.Struct, array_like=True):
     replays: list[ReplayRecord] = []  # replay fingerprints since the previous digest
     steps: list[StepRecord] = []  # step timings since the previous digest
     state_period: int = 0  # steps one replicated-state rotation takes (0: state check off)
+    state_slots: int = 0  # slots of that rotation: step s checks slot s mod state_slots
     replay_layers: list[str] = []  # layers the replay rotation covers (empty: replay off)
 
 
