@@ -19,6 +19,7 @@ import os
 import time
 
 from trainscout.channel.layout import tensor_table_path
+from trainscout.probe import device_state
 
 STATE_PG_INDEX = -1  # ring records with this pg index are state fingerprints, not collectives
 _ALIGN = 4
@@ -49,6 +50,7 @@ class StateCheck:
         self.table: list[tuple[str, str | None]] = []  # tensor id -> (name, comparison group)
         self._ids: dict[str, int] = {}
         self._meta: dict = {}
+        self._device = None  # the CUDA path (device_state.DeviceStateHashes), made when CUDA state shows up
 
     def register(self, name: str, group: str | None = None) -> int:
         """Id of a named tensor in the sidecar table the agent reads (append-only, so ids stay valid)."""
@@ -77,6 +79,8 @@ class StateCheck:
     def after_step(self, optimizer, step: int, step_wall_s: float = 0.0) -> None:
         if self.replica_group is None:
             return  # no known replicas (e.g. sharded parameters): nothing to compare against
+        if self._device is not None:
+            self._device.publish(self._emit)  # results of earlier check steps whose copy has landed
         if step_wall_s > 0:
             self._wall_s = step_wall_s if not self._wall_s else 0.9 * self._wall_s + 0.1 * step_wall_s
         if step % self.stride and self._slots:
@@ -98,12 +102,17 @@ class StateCheck:
         from trainscout.fingerprint import fingerprint_range
 
         spent = 0
-        for tid, t, start, end in self._slots[step % len(self._slots)]:
+        index = step % len(self._slots)
+        items, device_bytes = self._slots[index], 0
+        if self._device is not None:  # CUDA ranges: enqueued, published on a later step; no host sync
+            items, device_bytes = self._device.launch(self._slots, index, step)
+            spent += device_bytes
+        for tid, t, start, end in items:
             h = fingerprint_range(t, start, end)
             self.append(STATE_PG_INDEX, tid, h, start, time.time_ns(), step, "state", f"{start}:{end}")
             spent += end - start
         self.checked_bytes += spent
-        cost = time.perf_counter() - t0
+        cost = time.perf_counter() - t0 + device_bytes / device_state.DEVICE_BYTES_PER_S
         self.spent_s += cost
         self._cost_s = cost if not self._cost_s else 0.8 * self._cost_s + 0.2 * cost
         self._adapt_stride()
@@ -123,6 +132,14 @@ class StateCheck:
             self._meta["stride"] = stride
             self._meta["period_steps"] = stride * len(self._slots)
             self._write_table()
+
+    def _emit(self, step: int, tid: int, start: int, end: int, digest: int) -> None:
+        self.append(STATE_PG_INDEX, tid, digest, start, time.time_ns(), step, "state", f"{start}:{end}")
+
+    def flush(self, timeout_s: float = 1.0) -> None:
+        """At exit: publish CUDA results still in flight (waits up to timeout_s; never in steady state)."""
+        if self._device is not None:
+            self._device.flush(self._emit, timeout_s)
 
     @property
     def period_steps(self) -> int:
@@ -162,6 +179,10 @@ class StateCheck:
                 filled += end - start
         slots = [s for s in slots if s]
         if self.fixed_period:
+            size = lambda slot: sum(e - s for _, _, s, e in slot)  # noqa: E731
+            while len(slots) > self.fixed_period:  # packing left remainders: merge the lightest neighbours
+                i = min(range(len(slots) - 1), key=lambda j: size(slots[j]) + size(slots[j + 1]))
+                slots[i:i + 2] = [slots[i] + slots[i + 1]]
             while len(slots) < self.fixed_period and any(len(s) > 1 for s in slots):
                 big = max(range(len(slots)), key=lambda i: len(slots[i]))  # spread to use the whole period
                 half = len(slots[big]) // 2
@@ -169,6 +190,8 @@ class StateCheck:
         elif len(slots) % 2 == 0 and slots:
             slots.append(slots[0])  # an odd count lets every power-of-two stride reach every slot
         self._slots = slots
+        if self._device is None and device_state.usable(tensors):
+            self._device = device_state.DeviceStateHashes()
         self._meta = {"bytes": total, "slots": len(slots), "stride": self.stride,
                       "period_steps": self.period_steps, "budget": self.budget}
         self._write_table()
