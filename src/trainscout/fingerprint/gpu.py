@@ -366,6 +366,106 @@ def _enqueue(
         off += grid
 
 
+class PreparedRanges:
+    """Byte ranges of CUDA tensors hashed again and again (the replicated-state slots), with their launch
+    arguments worked out once: `enqueue(out)` then costs one raw kernel launch per range.
+
+    out[i] receives the fingerprint of range i, as `fingerprint_range_cuda_async` would write it. The
+    tensors are kept referenced, so the raw addresses stay valid (a tensor replaced in the model is then
+    still the old storage: re-prepare when the state's layout changes). All ranges must be on one device.
+    Ranges this fast path cannot take (strided or unaligned views, over 4 GiB, before the kernel was
+    compiled, or after the raw launch path failed once) go through `_enqueue`, with the same value.
+    """
+
+    def __init__(self, items: list[tuple[torch.Tensor, int, int]], config: LaunchConfig = DEFAULT_CONFIG) -> None:
+        if not HAVE_TRITON:
+            raise RuntimeError("the CUDA fingerprint needs Triton")
+        devices = {t.device for t, _, _ in items}
+        if len(devices) > 1 or any(d.type != "cuda" for d in devices):
+            raise ValueError(f"PreparedRanges takes ranges of one CUDA device, got {sorted(map(str, devices))}")
+        self.device = next(iter(devices)) if devices else None
+        self.config = config
+        self.items = [(t, start, end) for t, start, end in items]
+        self.nbytes = sum(end - start for _, start, end in items)
+        self._plans: list[tuple | None] = []
+        self.max_parts = 1
+        sm = _sm_count(self.device.index) if self.device is not None else 1
+        for t, start, end in self.items:
+            cpu._check_range(t.numel() * t.element_size(), start, end)
+            self._plans.append(self._plan(t, start, end, sm))
+
+    def _plan(self, t: torch.Tensor, start: int, end: int, sm: int) -> tuple | None:
+        nbytes = end - start
+        n_words = nbytes // 4
+        tail_bytes = nbytes - 4 * n_words
+        addr = t.data_ptr() + start
+        word_base = start // 4
+        if not t.is_contiguous() or (n_words and addr % 4) or n_words > MAX_WORDS_PER_LAUNCH:
+            return None
+        if (word_base & cpu.M32) + n_words > (1 << 32) or word_base >> 32:
+            return None  # more than one launch: the general path
+        cfg = self.config
+        grid = max(1, min(-(-n_words // cfg.tile), sm * cfg.programs_per_sm))
+        self.max_parts = max(self.max_parts, grid)
+        length = cpu.length_term(nbytes)
+        i_tail = word_base + n_words
+        ints = (n_words, _i32(cpu.tweak_a(word_base)), _i32(cpu.tweak_b(word_base)), tail_bytes,
+                _i32(cpu.tweak_a(i_tail)), _i32(cpu.tweak_b(i_tail)), _i32(length), _i32(length >> 32))
+        constexprs = (cfg.rows, cfg.cols, cfg.mulhi, tail_bytes > 0)
+        # w_addr None: no full word, the kernel gets the (16-byte aligned) scratch address instead
+        w_addr = addr if n_words else None
+        key = (self.device.type, self.device.index, (w_addr is None) or w_addr % 16 == 0, constexprs, cfg.num_warps)
+        return (w_addr, addr + 4 * n_words if tail_bytes else None, grid, key, ints, constexprs)
+
+    def compile(self) -> None:
+        """Compile (or load from Triton's cache) every kernel variant these ranges need, with one throwaway
+        launch each, so the first real `enqueue` does not pay for it (~0.1-1 s once per process)."""
+        if self.device is None:
+            return
+        scratch_out = torch.empty(1, dtype=torch.int64, device=self.device)
+        seen = set()
+        with torch.cuda.device(self.device):
+            for i, plan in enumerate(self._plans):
+                if plan is not None and (plan[3] in _compiled or plan[3] in seen):
+                    continue
+                if plan is not None:
+                    seen.add(plan[3])
+                t, start, end = self.items[i]
+                _enqueue(_contiguous(t), start, end - start, start // 4, scratch_out, 0, self.config)
+
+    def enqueue(self, out: torch.Tensor) -> None:
+        """Enqueue every range's fingerprint into out[0..len-1] on the current stream; no host sync."""
+        if self.device is None:
+            return
+        if out.dtype != torch.int64 or out.device != self.device or out.numel() < len(self.items):
+            raise ValueError("out must be an int64 tensor on the ranges' device with a slot per range")
+        if self.device.index != torch.cuda.current_device():
+            with torch.cuda.device(self.device):
+                self.enqueue(out)
+            return
+        stream = _stream_handle(self.device)
+        scratch = _scratch_for(self.device, stream, self.max_parts)
+        sp = scratch.data_ptr()
+        cap = (scratch.numel() - SCRATCH_HEAD) // 2
+        part = sp + 4 * SCRATCH_HEAD
+        optr = out.data_ptr()
+        for i, plan in enumerate(self._plans):
+            kernel = _compiled.get(plan[3]) if plan is not None and _direct_ok[0] else None
+            if kernel is not None:
+                w_addr, tail_addr, grid, _, ints, constexprs = plan
+                try:
+                    kernel[(grid, 1, 1)](
+                        sp if w_addr is None else w_addr, sp if tail_addr is None else tail_addr, part, sp, optr,
+                        0, cap, grid, i, *ints, *constexprs, stream=stream,
+                    )
+                    continue
+                except Exception:  # Triton's internals moved: the general path from now on
+                    _direct_ok[0] = False
+            t, start, end = self.items[i]
+            src = _contiguous(t)
+            _enqueue(src, start, end - start, start // 4, out, i, self.config)
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     """t itself if contiguous, else a contiguous copy (one device copy; the fingerprint is over the
     logical C order, so a strided view and its contiguous copy agree)."""

@@ -192,6 +192,8 @@ class StateCheck:
         self._slots = slots
         if self._device is None and device_state.usable(tensors):
             self._device = device_state.DeviceStateHashes()
+        if self._device is not None:
+            self._device.prepare(slots)  # compiles the kernel now, not on a later check step
         self._meta = {"bytes": total, "slots": len(slots), "stride": self.stride,
                       "period_steps": self.period_steps, "budget": self.budget}
         self._write_table()
