@@ -1,35 +1,59 @@
 """Non-finite origin: notice, before any reduction, the first local loss or gradient that is NaN/Inf.
 
 After the gradient all-reduce every rank holds NaN, so the origin can only be seen locally and early:
-the loss when `backward()` is called on it, and each gradient right after it is accumulated (tensor
-post-accumulate-grad hooks run before DDP launches the bucket's all-reduce). The coordinator then names
-the rank(s) that turned non-finite at the earliest step.
+the loss when `backward()` is called on it, and each gradient before DDP reduces it. The coordinator
+then names the rank(s) that turned non-finite at the earliest step.
 
-CPU tensors are checked at once; CUDA tensors are not checked here yet (a check would force a host
-sync on the training stream).
+CPU tensors are checked at once: the loss in the `backward` wrapper, each gradient in a
+post-accumulate-grad hook (one sum per gradient, judged once per step).
+
+CUDA tensors are checked without a host sync, once per backward. The wrapper hooks the start of the
+backward pass and queues an engine callback from there; engine callbacks run in order at the end of the
+pass, and DDP queues the callback that copies the reduced buckets back into `.grad` only when its last
+bucket is ready, so ours runs first and reads the local gradients. It enqueues one fused L1 norm per
+gradient (`torch._foreach_norm`; NaN and Inf propagate into it) and the loss into one small device
+vector, copies that to pinned memory behind an event, and the vector is judged on a later step once the
+event has completed (`check_step`). With `gradient_as_bucket_view=True` DDP all-reduces the gradients in
+place while backward still runs, so there each gradient's norm is enqueued in its own post-accumulate-grad
+hook instead, which runs before DDP marks the gradient ready. Records carry the step the values belong to.
 """
 
 from __future__ import annotations
 
+import math
 import time
+
+import numpy as np
 
 NONFINITE_PG_INDEX = -2
 _MAX_REPORTS = 8
 
 
 class NonFiniteCheck:
-    def __init__(self, append, get_step) -> None:
+    def __init__(self, append, get_step, on_error=None) -> None:
         self.append = append
         self.get_step = get_step
+        self.on_error = on_error  # (text) -> None: a failed CUDA check disables itself and says why
         self.reports = 0
         self._reported_steps: set[tuple[int, str]] = set()
         self._hooked: set[int] = set()
         self._sums: list = []
         self.names: dict[int, str] = {}
+        # CUDA path
+        self._device_params: list = []
+        self._device_names: list[str] = []
+        self._device_ok = True
+        self._results = None  # DeviceResults(float32), made on first use
+        self._armed: tuple | None = None  # (step, loss) of the backward pass in progress
+        self._bucket_norms: list = []  # (name, norm) from per-gradient hooks (bucket-view DDP only)
+        self.device_checks = 0  # vectors submitted
+        self.spent_s = 0.0  # host time of the CUDA path (arm, end-of-backward launch, judging)
 
     def _report(self, what: str, name: str, step_offset: int = 1) -> None:
         # the step being computed: `step` optimizer steps are done (after the step hook: offset 0)
-        step = self.get_step() + step_offset
+        self._report_at(self.get_step() + step_offset, what, name)
+
+    def _report_at(self, step: int, what: str, name: str) -> None:
         if self.reports >= _MAX_REPORTS or (step, what) in self._reported_steps:
             return
         self._reported_steps.add((step, what))
@@ -43,11 +67,18 @@ class NonFiniteCheck:
         def backward(tensors, *args, **kwargs):
             try:
                 t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
-                if getattr(t, "device", None) is not None and t.device.type == "cpu" and t.numel() == 1:
-                    import torch
+                device = getattr(t, "device", None)
+                if device is not None and t.numel() == 1:
+                    if device.type == "cpu":
+                        import torch
 
-                    if not bool(torch.isfinite(t.detach()).all()):
-                        check._report("loss", "")
+                        if not bool(torch.isfinite(t.detach()).all()):
+                            check._report("loss", "")
+                    elif device.type == "cuda" and check._device_ok:
+                        try:
+                            check._arm(t)
+                        except Exception as exc:
+                            check._disable(exc)
             except Exception:
                 pass  # fail open: the check must never break backward
             return real_backward(tensors, *args, **kwargs)
@@ -56,9 +87,23 @@ class NonFiniteCheck:
         backward.__doc__ = real_backward.__doc__
         autograd_module.backward = backward
 
-    def hook_params(self, params, names: dict[int, str]) -> None:
+    def hook_params(self, params, names: dict[int, str], bucket_views: bool = False) -> None:
+        """Watch these parameters' gradients. bucket_views: DDP was built with gradient_as_bucket_view."""
         for p in params:
-            if id(p) in self._hooked or not getattr(p, "requires_grad", False) or p.device.type != "cpu":
+            if id(p) in self._hooked or not getattr(p, "requires_grad", False):
+                continue
+            if p.device.type == "cuda":
+                if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+                    continue  # a sharded parameter's gradient arrives already reduced; and no collectives here
+                self._hooked.add(id(p))
+                name = names.get(id(p), "")
+                if bucket_views:
+                    p.register_post_accumulate_grad_hook(self._bucket_view_hook(name))
+                else:
+                    self._device_params.append(p)
+                    self._device_names.append(name)
+                continue
+            if p.device.type != "cpu":
                 continue
             self._hooked.add(id(p))
             name = names.get(id(p), "")
@@ -75,7 +120,16 @@ class NonFiniteCheck:
             p.register_post_accumulate_grad_hook(hook)
 
     def check_step(self) -> None:
-        """Called after the optimizer step: report the first gradient whose local sum was not finite."""
+        """Called after the optimizer step: report the first gradient whose local sum was not finite, and
+        judge the CUDA vectors whose copy has landed (from this step or earlier ones)."""
+        if self._results is not None:
+            t0 = time.perf_counter()
+            try:
+                for payload, values in self._results.ready():
+                    self._judge(payload, values)
+            except Exception as exc:
+                self._disable(exc)
+            self.spent_s += time.perf_counter() - t0
         sums, self._sums = self._sums, []
         if not sums:
             return
@@ -87,3 +141,122 @@ class NonFiniteCheck:
                 self._report("grad", sums[int((~finite).nonzero()[0])][0], step_offset=0)
         except Exception:
             pass
+
+    def flush(self, timeout_s: float = 1.0) -> None:
+        """At exit: judge CUDA vectors still in flight (waits up to timeout_s; never in steady state)."""
+        if self._results is not None:
+            try:
+                for payload, values in self._results.wait(timeout_s):
+                    self._judge(payload, values)
+            except Exception:
+                pass
+
+    # ---------------------------------------------------------------- CUDA path
+
+    def _arm(self, loss) -> None:
+        """A CUDA loss enters backward: check it and the local gradients when this pass ends."""
+        t0 = time.perf_counter()
+        step = self.get_step() + 1
+        fn = loss.grad_fn
+        if fn is None:
+            self._submit(step, loss.detach(), [], ())
+        else:
+            self._armed = (step, loss.detach())
+            fn.register_prehook(self._backward_started)
+        self.spent_s += time.perf_counter() - t0
+
+    def _backward_started(self, grad_outputs):
+        # The first node of the pass runs: a callback queued now runs before those DDP queues later.
+        if self._armed is not None:
+            import torch
+
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            step, loss = armed
+            if self._bucket_norms:
+                named, self._bucket_norms = self._bucket_norms, []
+                self._submit(step, loss, [n for _, n in named], tuple(name for name, _ in named), norms=True)
+            else:
+                grads = [p.grad for p in self._device_params]
+                names = self._device_names
+                if any(g is None for g in grads):
+                    kept = [(n, g) for n, g in zip(names, grads) if g is not None]
+                    grads, names = [g for _, g in kept], [n for n, _ in kept]
+                self._submit(step, loss, grads, tuple(names))
+        except Exception as exc:  # never raise into the autograd engine
+            self._disable(exc)
+        self.spent_s += time.perf_counter() - t0
+
+    def _bucket_view_hook(self, name: str):
+        def hook(param) -> None:
+            try:
+                if param.grad is not None and self._armed is not None:
+                    import torch
+
+                    self._bucket_norms.append((name, torch.linalg.vector_norm(param.grad, 1, dtype=torch.float32)))
+            except Exception as exc:
+                self._disable(exc)
+
+        return hook
+
+    def _submit(self, step: int, loss, grads: list, names: tuple, norms: bool = False) -> None:
+        """Enqueue [loss, |g_1|_1, ...] into a device vector and its copy to pinned memory; no sync."""
+        import torch
+
+        if self._results is None:
+            from trainscout.probe.device_results import DeviceResults
+
+            self._results = DeviceResults(torch.float32, depth=8)
+        slot = self._results.take(loss.device, 1 + len(grads))
+        if slot is None:
+            return  # the GPU is far behind: skip this check rather than wait
+        try:
+            parts = [loss.reshape(()).float()]
+            if grads and not norms:
+                parts += _l1_norms(grads)
+            elif grads:
+                parts += grads
+            torch.stack(parts, out=slot.device[: len(parts)])
+        except Exception:
+            self._results.give_back(slot)
+            raise
+        self._results.submit(slot, len(parts), (step, names))
+        self.device_checks += 1
+
+    def _judge(self, payload, values) -> None:
+        """values: [loss, |g_1|_1, ...] as they came back from the device (numpy array or list)."""
+        step, names = payload
+        if np.isfinite(values).all():
+            return
+        values = [float(v) for v in values]
+        if not math.isfinite(values[0]):
+            self._report_at(step, "loss", "")
+        for name, v in zip(names, values[1:]):
+            if not math.isfinite(v):
+                self._report_at(step, "grad", name)
+                break
+
+    def _disable(self, exc: BaseException) -> None:
+        self._device_ok = False
+        self._armed = None
+        if self.on_error is not None:
+            try:
+                self.on_error(f"non-finite check on CUDA disabled: {exc!r}")
+            except Exception:
+                pass
+
+
+def _l1_norms(grads: list) -> list:
+    """One fused launch per dtype group: float32 L1 norms (NaN/Inf anywhere makes a norm non-finite)."""
+    import torch
+
+    try:
+        return list(torch._foreach_norm(grads, 1, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # older signature without dtype
+        return [n.float() for n in torch._foreach_norm(grads, 1)]

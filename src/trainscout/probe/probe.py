@@ -52,7 +52,7 @@ class Probe:
                                           period=_int_env("TRAINSCOUT_STATE_PERIOD", 0))
         self.nonfinite = None
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
-            self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step)
+            self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error)
         self.gather_check = None
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
@@ -107,6 +107,12 @@ class Probe:
         # Runs before the exit record (atexit is LIFO): publish the last collectives first.
         if self.publisher is None or os.getpid() != self.pid:
             return
+        for check in (self.state_check, self.nonfinite):  # CUDA results still in flight
+            try:
+                if check is not None:
+                    check.flush()
+            except Exception:
+                pass
         try:
             self.publisher.poll_collectives(force=True)
         except Exception:
@@ -185,7 +191,8 @@ class Probe:
                 if probe.state_check is not None:
                     probe.state_check.learn_model(ddp.module, pg_name)
                 if probe.nonfinite is not None:
-                    probe.nonfinite.hook_params(ddp.module.parameters(), names)
+                    probe.nonfinite.hook_params(ddp.module.parameters(), names,
+                                                bucket_views=bool(getattr(ddp, "gradient_as_bucket_view", False)))
                 probe.model = ddp.module
                 probe._attach_replay(ddp)
             except Exception as exc:
