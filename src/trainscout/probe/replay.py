@@ -9,6 +9,11 @@ second deviation of the same layer confirms a faulty device.
 
 Replay must not change training: it runs under a forked RNG, in eval mode, and takes gradients with
 torch.autograd.grad, which leaves `.grad` untouched; parameters are only read.
+
+On CUDA a replay step synchronises the host with the GPU: the side group is gloo, so the source copies
+its captured input to host memory, the receivers copy it back, and the results are read on the host
+(one read for all fingerprints of a replay). Only replay steps do this (every TRAINSCOUT_REPLAY_EVERY
+steps, default 100); between them replay only keeps a reference to one layer's input, with no device work.
 """
 
 from __future__ import annotations
@@ -108,8 +113,6 @@ class Replay:
     def _recompute(self, layer, x, step: int) -> tuple[int, int, int]:
         import torch
 
-        from trainscout.fingerprint import fingerprint
-
         params = [p for p in layer.parameters() if p.requires_grad]
         device = next(iter(layer.parameters())).device
         x = x.to(device)
@@ -127,9 +130,28 @@ class Replay:
                     grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
             finally:
                 layer.train(was_training)
-        out_hash = fingerprint(out.detach())
-        return out_hash, _combine(fingerprint(g) for g in grads if g is not None), _combine(
-            fingerprint(p.detach()) for p in params)
+        tensors = [out.detach()] + [g for g in grads if g is not None] + [p.detach() for p in params]
+        digests = _fingerprints(tensors)
+        n_grads = sum(g is not None for g in grads)
+        return digests[0], _combine(digests[1 : 1 + n_grads]), _combine(digests[1 + n_grads :])
+
+
+def _fingerprints(tensors: list) -> list[int]:
+    """Fingerprints of several tensors; CUDA ones are enqueued together and read with one host sync."""
+    from trainscout.fingerprint import fingerprint
+
+    if tensors and all(t.is_cuda for t in tensors) and len({t.device for t in tensors}) == 1:
+        import torch
+
+        from trainscout.fingerprint import cpu, gpu
+
+        if not gpu.HAVE_TRITON:
+            return [fingerprint(t) for t in tensors]
+        out = torch.empty(len(tensors), dtype=torch.int64, device=tensors[0].device)
+        for i, t in enumerate(tensors):
+            gpu.fingerprint_tensor_cuda_async(t, out, i)
+        return [cpu.as_unsigned64(v) for v in out.tolist()]
+    return [fingerprint(t) for t in tensors]
 
 
 def _combine(digests) -> int:
