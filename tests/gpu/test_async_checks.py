@@ -1,0 +1,117 @@
+"""The probe's CUDA checks, in one process on one GPU: their results equal the CPU reference and name the
+right step, although nothing is read back until a later step.
+
+- `PreparedRanges` (the raw-launch path the state check uses) writes the CPU reference fingerprint of each
+  byte range, on its first (compiling) and later (raw) calls.
+- `StateCheck` on CUDA state publishes, a step or more later, the CPU fingerprint of the bytes the state held
+  at the step each record names.
+- `NonFiniteCheck` on CUDA names the gradient and the step a NaN appeared in, and a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+from trainscout.fingerprint import cpu, gpu
+from trainscout.probe import state_check
+from trainscout.probe.nonfinite import NONFINITE_PG_INDEX, NonFiniteCheck
+from trainscout.probe.state_check import STATE_PG_INDEX, StateCheck
+
+
+def _model(cuda: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256),
+                         nn.Linear(256, 256)).to(cuda)
+
+
+def _train_step(model, gen, cuda, poison=None) -> torch.Tensor:
+    x = torch.randint(0, 256, (4, 32), device=cuda, generator=gen)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(x)
+    loss = nn.functional.cross_entropy(logits.float().view(-1, 256), x.view(-1))
+    if poison == "loss":
+        loss = loss * float("nan")
+    return loss
+
+
+def test_prepared_ranges_equal_the_cpu_reference(gen, cuda):
+    big = torch.randn(3 * (1 << 20) + 5, generator=gen, device=cuda)
+    small = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=gen, device=cuda)
+    halves = torch.randn(4099, generator=gen, device=cuda).to(torch.bfloat16)
+    unaligned = small[1:]  # a view whose first byte is not 4-byte aligned
+    items = [(big, 0, 4 * (1 << 20)), (big, 4 * (1 << 20), big.numel() * 4), (small, 0, 1001), (small, 4, 7),
+             (halves, 0, 8198), (halves, 4, 8196), (unaligned, 0, 999), (big[::2], 0, 4096), (small, 8, 8)]
+    want = [cpu.fingerprint_range(t.cpu().contiguous(), s, e) for t, s, e in items]
+    prepared = gpu.PreparedRanges(items)
+    for _ in range(3):  # the first call compiles through the general path; later ones launch raw
+        out = torch.zeros(len(items), dtype=torch.int64, device=cuda)
+        prepared.enqueue(out)
+        assert [cpu.as_unsigned64(v) for v in out.tolist()] == want
+
+
+def test_state_check_records_on_cuda_equal_the_cpu_fingerprint_of_the_same_step(tmp_path, monkeypatch, cuda):
+    monkeypatch.setattr(state_check, "tensor_table_path", lambda run_id, rank: str(tmp_path / f"{run_id}-{rank}.json"))
+    records = []
+    sc = StateCheck("gpu", 0, lambda *rec: records.append(rec), period=5)
+    sc.replica_group = "pg0"
+    model = _model(cuda)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator(device=cuda).manual_seed(1)
+    expected = {}
+    published_during_training = 0
+    for step in range(1, 21):
+        _train_step(model, g, cuda).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sc.after_step(opt, step, 0.01)
+        if step == 20:
+            published_during_training = len(records)
+        # the reference, taken after the check enqueued its kernels (.cpu() waits for them)
+        for tid, t, start, end in sc._slots[step % len(sc._slots)]:
+            expected[(step, tid, start)] = cpu.fingerprint_range(t.detach().cpu(), start, end)
+    assert sc._device is not None and sc._device.launched_bytes > 0
+    sc.flush(timeout_s=10)
+    got = {(r[5], r[1], r[3]): r[2] for r in records}
+    assert all(r[0] == STATE_PG_INDEX and r[6] == "state" for r in records)
+    assert len(records) == len(got) == len(expected)
+    assert got == expected
+    assert published_during_training > 0  # landed results are published on later steps, not only at exit
+
+
+@pytest.mark.parametrize("bucket_views", [False, True])
+def test_nonfinite_on_cuda_names_the_gradient_and_the_step(cuda, bucket_views):
+    records = []
+    state = {"step": 0}
+    check = NonFiniteCheck(lambda *rec: records.append(rec), lambda: state["step"])
+    autograd = types.SimpleNamespace(backward=torch.autograd.backward)
+    check.patch_autograd(autograd)  # the wrapper, without patching torch itself
+    model = _model(cuda)
+    names = {id(p): n for n, p in model.named_parameters()}
+    check.hook_params(model.parameters(), names, bucket_views=bucket_views)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator(device=cuda).manual_seed(2)
+    target = model[1].weight
+    for step in range(1, 16):
+        loss = _train_step(model, g, cuda, poison="loss" if step == 12 else None)
+        if step == 7:  # the local gradient of one parameter turns NaN in step 7
+            handle = target.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0], device=cuda), float("nan")))
+        autograd.backward(loss)
+        if step == 7:
+            handle.remove()
+            with torch.no_grad():
+                target.grad.nan_to_num_(0.0)  # keep training finite after the fault (enqueued after the check)
+        if step != 12:  # a NaN loss makes every gradient NaN: skip that update so later steps stay finite
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] = step
+        check.check_step()
+    check.flush(timeout_s=10)
+    assert check.device_checks >= 15 and check._device_ok
+    found = [(r[5], r[7].split(" ")[0], r[7]) for r in records]
+    assert all(r[0] == NONFINITE_PG_INDEX for r in records)
+    assert found[0] == (7, "grad", "grad 1.weight")
+    assert [f[:2] for f in found[1:]] == [(12, "loss"), (12, "grad")]
