@@ -1,0 +1,349 @@
+"""Healthy-path overhead on CUDA: baseline vs trainscout (default checks) vs the peer (lm-resiliency SCOUT).
+
+One invocation runs, per workload, `--reps` rounds of the three sides, interleaved (the order rotates each
+round), each a fresh 2-rank job of benchmarks/gpu_workload.py:
+
+- baseline:   torchrun --nproc-per-node 2 benchmarks/gpu_workload.py ARGS
+- trainscout: python -m trainscout run --console plain -- torchrun --nproc-per-node 2 benchmarks/gpu_workload.py ARGS
+- peer:       torchrun --nproc-per-node 2 benchmarks/gpu_workload.py ARGS --scout
+              (enable_resiliency(model, optimizer, interval=5, enable_detection=True, enable_checkpoint=False,
+               replay=ReplayHarnessConfig(check_interval=5, rotate_layers=True)); GEMINI in-memory
+               checkpointing, on by default, raises on one 2-GPU node, see gpu_workload.py)
+
+Per run, rank 0's step times (CUDA events, 40 measured steps after 10 warm-up) give a median and a p95; per
+side the table shows the median of the run medians and the p95 of all measured steps pooled, with ratios
+to the baseline, and each rank's peak GPU memory and host RSS. Raw rows go to `--raw` (JSON lines), the
+section to `--markdown`; `--report RAW...` renders a section from raw files of earlier invocations.
+
+    python3 benchmarks/gpu_overhead.py --workloads a,b,c --reps 3 --raw $OUT/raw.jsonl --markdown $OUT/gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOAD = REPO / "benchmarks" / "gpu_workload.py"
+SIDES = ("baseline", "trainscout", "peer")
+WORKLOADS = {
+    "a": {"label": "DDP, hidden 512 / 4 layers / seq 128 / batch 4",
+          "args": ["--hidden", "512", "--layers", "4", "--seq", "128", "--batch", "4"]},
+    "b": {"label": "DDP, hidden 2048 / 12 layers / seq 1024 / batch 8",
+          "args": ["--hidden", "2048", "--layers", "12", "--seq", "1024", "--batch", "8"]},
+    "c": {"label": "FSDP2 (fully_shard per block), hidden 2048 / 12 layers / seq 1024 / batch 8",
+          "args": ["--hidden", "2048", "--layers", "12", "--seq", "1024", "--batch", "8", "--fsdp"]},
+    "c-small": {"label": "FSDP2 (fully_shard per block), hidden 512 / 4 layers / seq 128 / batch 4",
+                "args": ["--hidden", "512", "--layers", "4", "--seq", "128", "--batch", "4", "--fsdp"]},
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher() -> list[str]:
+    exe = shutil.which("torchrun")
+    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def command(side: str, workload: str, timing: str, run_dir: str, run_id: str) -> list[str]:
+    job = [*_launcher(), "--nproc-per-node", "2", "--master-port", str(_port()), str(WORKLOAD),
+           *WORKLOADS[workload]["args"], "--timing-file", timing]
+    if side == "peer":
+        return job + ["--scout"]
+    if side == "trainscout":
+        return [sys.executable, "-m", "trainscout", "run", "--console", "plain", "--run-dir", run_dir,
+                "--run-id", run_id, "--", *job]
+    return job
+
+
+def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extra_env: dict) -> dict:
+    run_id = f"{workload}-{side}-{rep}"
+    timing = str(work / f"{run_id}-{{rank}}.json")
+    cmd = command(side, workload, timing, str(work / "runs"), run_id)
+    env = {**os.environ, **(extra_env if side == "trainscout" else {})}
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        rc, out = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out = -9, f"timeout after {timeout} s: {exc.stdout or ''}{exc.stderr or ''}"
+    row = {"workload": workload, "side": side, "rep": rep, "rc": rc, "wall_s": time.monotonic() - t0,
+           "ranks": {}}
+    for rank in (0, 1):
+        path = Path(timing.replace("{rank}", str(rank)))
+        if path.exists():
+            row["ranks"][str(rank)] = json.loads(path.read_text())
+    if rc != 0 or len(row["ranks"]) < 2:
+        row["tail"] = out[-4000:] if isinstance(out, str) else str(out)[-4000:]
+    if side == "trainscout":
+        findings = work / "runs" / run_id / "findings.jsonl"
+        row["findings"] = findings.read_text().splitlines() if findings.exists() else []
+    return row
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarise(rows: list[dict]) -> dict:
+    """(workload, side) -> statistics over the successful runs."""
+    out: dict = {}
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        for side in SIDES:
+            runs = [r for r in rows if r["workload"] == w and r["side"] == side and r["rc"] == 0
+                    and len(r["ranks"]) == 2]
+            failed = [r for r in rows if r["workload"] == w and r["side"] == side and r not in runs]
+            if not runs:
+                out[(w, side)] = {"n": 0, "failed": len(failed)}
+                continue
+            steps0 = [r["ranks"]["0"]["step_ms"] for r in runs]
+            pooled = [t for s in steps0 for t in s]
+            out[(w, side)] = {
+                "n": len(runs),
+                "failed": len(failed),
+                "median_ms": statistics.median(statistics.median(s) for s in steps0),
+                "run_medians": [statistics.median(s) for s in steps0],
+                "mean_ms": statistics.mean(pooled),
+                "p95_ms": _pct(pooled, 0.95),
+                "run_p95": [_pct(s, 0.95) for s in steps0],
+                "gpu_peak": [max(r["ranks"][k]["max_memory_allocated"] for k in ("0", "1")) for r in runs],
+                "rss_kb": {k: statistics.median(r["ranks"][k]["VmRSS"] for r in runs) for k in ("0", "1")},
+                "hwm_kb": {k: statistics.median(r["ranks"][k]["VmHWM"] for r in runs) for k in ("0", "1")},
+                "params": runs[0]["ranks"]["0"]["params"],
+                "findings": sorted({f for r in runs for f in r.get("findings", [])}),
+            }
+    return out
+
+
+def markdown(rows: list[dict], header: list[str]) -> str:
+    stats = summarise(rows)
+    lines = list(header) + [""]
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        base = stats.get((w, "baseline"), {})
+        lines += [f"### workload {w}: {WORKLOADS[w]['label']}", ""]
+        lines += ["| side | runs ok | median step ms (run medians) | throughput loss (median) | mean step ms "
+                  "| throughput loss (mean) | p95 step ms (pooled) | p95 vs baseline "
+                  "| GPU peak MiB (median of runs, max over ranks) | GPU peak vs baseline "
+                  "| host RSS MiB rank 0 / 1 (peak) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for side in SIDES:
+            s = stats.get((w, side))
+            if not s or not s["n"]:
+                lines.append(f"| {side} | 0/{s['failed'] if s else 0} | | | | | | | | | |")
+                continue
+            loss = 1 - base["median_ms"] / s["median_ms"] if base.get("n") else float("nan")
+            mloss = 1 - base["mean_ms"] / s["mean_ms"] if base.get("n") else float("nan")
+            p95r = s["p95_ms"] / base["p95_ms"] - 1 if base.get("n") else float("nan")
+            peak = statistics.median(s["gpu_peak"])
+            bpeak = statistics.median(base["gpu_peak"]) if base.get("n") else float("nan")
+            meds = ", ".join(f"{m:.3f}" for m in s["run_medians"])
+            lines.append(
+                f"| {side} | {s['n']}/{s['n'] + s['failed']} | {s['median_ms']:.3f} ({meds}) | {loss:+.2%} | {s['mean_ms']:.3f} | {mloss:+.2%} | "
+                f"{s['p95_ms']:.3f} | {p95r:+.2%} | {peak / 2**20:.1f} | {(peak - bpeak) / bpeak:+.3%} | "
+                f"{s['rss_kb']['0'] / 1024:.0f} / {s['rss_kb']['1'] / 1024:.0f} "
+                f"({s['hwm_kb']['0'] / 1024:.0f} / {s['hwm_kb']['1'] / 1024:.0f}) |")
+        ts = stats.get((w, "trainscout"), {})
+        if ts.get("findings"):
+            lines += ["", f"trainscout findings on these healthy runs: {ts['findings']}"]
+        lines.append("")
+    failures = [r for r in rows if r["rc"] != 0 or len(r["ranks"]) < 2]
+    for r in failures:
+        lines += [f"failed run {r['workload']}-{r['side']}-{r['rep']} (exit {r['rc']}), output tail:", "",
+                  "```", r.get("tail", "")[-1500:], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
+    """In one process on one GPU (a 1-rank DDP job), alternate blocks of steps with the probe's two per-step
+    CUDA checks off / on, in place: the step-time difference without run-to-run noise, and the host time
+    the checks themselves spend per step. Covers the non-finite and replicated-state checks only (not the
+    step hook, the Flight Recorder or the probe's background thread)."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "src"))
+    sys.path.insert(0, str(WORKLOAD.parent))
+    import gpu_workload as gw
+
+    from trainscout.probe import state_check as sc_mod
+    from trainscout.probe.nonfinite import NonFiniteCheck
+    from trainscout.probe.state_check import StateCheck
+
+    ap = argparse.ArgumentParser()
+    for flag in ("--hidden", "--layers", "--seq", "--batch"):
+        ap.add_argument(flag, type=int)
+    ap.add_argument("--fsdp", action="store_true")
+    wargs = ap.parse_args(WORKLOADS[workload]["args"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    with device:
+        model = gw.CausalLM(wargs.hidden, wargs.layers, max(1, wargs.hidden // 64), wargs.seq)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
+    step_no = {"n": 0}
+    records: list = []
+    nf = NonFiniteCheck(lambda *r: records.append(r), lambda: step_no["n"])
+    autograd = types.SimpleNamespace(backward=torch.autograd.backward)
+    nf.patch_autograd(autograd)
+    names = {id(p): n for n, p in model.named_parameters()}
+    nf.hook_params(model.parameters(), names)
+    table = str(Path(tempfile.mkdtemp()) / "table.json")
+    sc_mod.tensor_table_path = lambda run_id, rank: table
+    sc = StateCheck("cost", 0, lambda *r: records.append(r))
+    sc.learn_model(model, "pg0")
+    gen = torch.Generator(device=device).manual_seed(0)
+    modes = ("off", "nonfinite", "state", "both")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    host: dict[str, list[float]] = {m: [] for m in modes}
+    last_wall = [0.0]
+
+    def one_step(mode: str, timed: bool) -> None:
+        data = torch.randint(0, gw.VOCAB, (wargs.batch, wargs.seq + 1), device=device, generator=gen)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = ddp(data[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, gw.VOCAB), data[:, 1:].reshape(-1))
+        h0 = nf.spent_s
+        (autograd.backward if mode in ("nonfinite", "both") else torch.autograd.backward)(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_no["n"] += 1
+        h1 = time.perf_counter()
+        if mode in ("nonfinite", "both"):
+            nf.check_step()
+        if mode in ("state", "both"):
+            sc.after_step(opt, step_no["n"], last_wall[0])
+        spent = (nf.spent_s - h0) + (time.perf_counter() - h1 if mode in ("state", "both") else 0.0)
+        end.record()
+        last_wall[0] = time.perf_counter() - t0
+        if timed:
+            pending.append((mode, start, end))
+            host[mode].append(spent * 1e6)
+
+    pending: list = []
+    for _ in range(20):
+        one_step("both", False)
+    for b in range(blocks):
+        for mode in modes[b % 4:] + modes[: b % 4]:
+            for _ in range(block_steps):
+                one_step(mode, True)
+    torch.cuda.synchronize()
+    for mode, start, end in pending:
+        times[mode].append(start.elapsed_time(end))
+    base = statistics.median(times["off"])
+    lines = [f"### probe check cost in place: workload {workload} ({WORKLOADS[workload]['label']}), 1-rank DDP",
+             "", f"{blocks} rounds x 4 modes x {block_steps} steps, modes interleaved; state-check stride at end: "
+             f"{sc.stride}, slots {len(sc._slots)}; non-finite vectors submitted {nf.device_checks}, records {len(records)}",
+             "", "| checks on | median step ms | vs off | mean host us per step in the checks |", "| --- | --- | --- | --- |"]
+    for m in modes:
+        med = statistics.median(times[m])
+        lines.append(f"| {m} | {med:.3f} | {med / base - 1:+.2%} | {statistics.mean(host[m]):.1f} |")
+    dist.destroy_process_group()
+    return "\n".join(lines) + "\n"
+
+
+def _machine() -> str:
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except Exception:
+        smi = []
+    try:
+        import torch
+
+        versions = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+    except Exception:
+        versions = "torch ?"
+    return f"{len(smi)}x {smi[0] if smi else '?'}; {os.cpu_count()} CPUs; {versions}; python {platform.python_version()}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="a,b,c")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--raw", default="", help="append raw rows (JSON lines) here")
+    ap.add_argument("--markdown", default="", help="write the section here")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--trainscout-env", action="append", default=[], metavar="K=V")
+    ap.add_argument("--report", nargs="*", help="render a section from raw files instead of running")
+    ap.add_argument("--probe-cost", default="", metavar="WORKLOAD",
+                    help="instead: the per-step CUDA checks' cost, in place in one process (see probe_cost)")
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--block-steps", type=int, default=25)
+    args = ap.parse_args()
+    if args.probe_cost:
+        text = probe_cost(args.probe_cost, args.blocks, args.block_steps)
+        print(text)
+        if args.markdown:
+            Path(args.markdown).write_text(text)
+        return 0
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if args.report:
+        rows = [json.loads(line) for p in args.report for line in Path(p).read_text().splitlines() if line.strip()]
+        text = markdown(rows, [f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label}".rstrip()])
+        print(text)
+        if args.markdown:
+            Path(args.markdown).write_text(text)
+        return 0
+    extra_env = dict(kv.split("=", 1) for kv in args.trainscout_env)
+    sides = [s for s in args.sides.split(",") if s]
+    work = Path(tempfile.mkdtemp(prefix="trainscout-gpu-overhead-"))
+    rows: list[dict] = []
+    for w in args.workloads.split(","):
+        for rep in range(args.reps):
+            order = sides[rep % len(sides):] + sides[: rep % len(sides)]
+            for side in order:
+                row = run_one(side, w, rep, work, args.timeout, extra_env)
+                rows.append(row)
+                s0 = row["ranks"].get("0", {}).get("step_ms", [])
+                print(f"{w} {side} rep {rep}: rc {row['rc']} wall {row['wall_s']:.1f}s "
+                      f"median {statistics.median(s0) if s0 else float('nan'):.3f} ms", flush=True)
+                if row["rc"] != 0:
+                    print(row.get("tail", "")[-1500:], flush=True)
+                if args.raw:
+                    with open(args.raw, "a") as fh:
+                        fh.write(json.dumps(row) + "\n")
+    header = [f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label} — {stamp}".replace("  ", " "),
+              "", f"- machine: {_machine()}",
+              f"- command: `python3 {' '.join(sys.argv)}`",
+              f"- {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
+              "step times, 40 measured steps after 10 warm-up per run",
+              f"- trainscout env: {extra_env or 'defaults'}"]
+    text = markdown(rows, header)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
