@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -165,9 +166,11 @@ class Launch:
     timed_out: bool
 
 
-def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 180.0) -> Launch:
+def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 180.0,
+           sampler=None) -> Launch:
     """Run cmd in its own session with output to log_path; on timeout SIGTERM it (trainscout then stops its
-    launcher, agent and coordinator cleanly), then SIGKILL its session if it lingers."""
+    launcher, agent and coordinator cleanly), then SIGKILL its session if it lingers. sampler(proc), if
+    given, is called about once a second while the command runs."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -178,7 +181,16 @@ def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, ti
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
                                 start_new_session=True)
         try:
-            code = proc.wait(timeout=timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    code = proc.wait(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if sampler is not None:
+                        sampler(proc)
         except subprocess.TimeoutExpired:
             timed_out = True
             proc.send_signal(signal.SIGTERM)
@@ -211,3 +223,49 @@ def read_jsonl(path: Path) -> list[dict]:
 def default_out_dir(name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     return Path("/tmp") / f"trainscout-bench-{name}-{stamp}"
+
+
+class CpuSampler:
+    """CPU seconds of a command's whole process tree against rank 0's logged step ("step N ..." lines).
+
+    Wall-clock step times on a small shared VM swing by 10 % and more between runs when the host takes
+    CPU away; CPU seconds per training step barely move, so this is the steadier overhead measure. Only
+    samples taken after `warmup` logged steps count, so start-up (imports, compiles) is left out.
+    """
+
+    def __init__(self, log_path: Path, warmup: int) -> None:
+        self.log_path = log_path
+        self.warmup = warmup
+        self.samples: list[tuple[int, float]] = []  # (logged step, CPU seconds of the tree)
+        self._per_pid: dict[int, float] = {}  # a process that exits keeps its last reading
+
+    def __call__(self, proc) -> None:
+        import psutil
+
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return
+        steps = re.findall(r"^step (\d+) ", text, re.M)
+        step = int(steps[-1]) if steps else 0
+        if step < self.warmup:
+            return
+        try:
+            root = psutil.Process(proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    t = p.cpu_times()
+                    self._per_pid[p.pid] = max(self._per_pid.get(p.pid, 0.0), t.user + t.system)
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            return
+        self.samples.append((step, sum(self._per_pid.values())))
+
+    def cpu_ms_per_step(self) -> float | None:
+        # up to the last sample at which training still advanced (shutdown is not a training step)
+        moving = [b for a, b in zip(self.samples, self.samples[1:]) if b[0] > a[0]]
+        if not moving:
+            return None
+        (s0, c0), (s1, c1) = self.samples[0], moving[-1]
+        return 1000 * (c1 - c0) / (s1 - s0)

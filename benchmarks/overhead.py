@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
+from _common import (PYTHON, CpuSampler, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
                      launch, load1, machine, markdown_table, median, percentile, read_jsonl, text_table, uptime)
 
 BAR = 1.01
@@ -63,13 +63,14 @@ def one_run(side: str, index: int, args: argparse.Namespace, out: Path, env: dic
            str(free_port()), "-m", "trainscout.demo.train", "--steps", str(args.steps), "--timing-file", str(timing)]
     cmd = job if side == "base" else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir",
                                       str(out), "--run-id", run_id, "--", *job]
-    res = launch(cmd, out / f"{run_id}.out", env=env, timeout_s=args.timeout)
+    sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
+    res = launch(cmd, out / f"{run_id}.out", env=env, timeout_s=args.timeout, sampler=sampler)
     steps = [float(x) for x in timing.read_text().split()] if timing.exists() else []
     kept = steps[args.warmup:]
     findings = read_jsonl(out / run_id / "findings.jsonl") if side == "trainscout" else []
     return {"side": side, "run_id": run_id, "code": res.code, "wall_s": round(res.wall_s, 2),
             "load": round(res.load_before, 2), "n_steps": len(steps), "steps": kept,
-            "median_ms": 1000 * median(kept) if kept else None,
+            "median_ms": 1000 * median(kept) if kept else None, "cpu_ms": sampler.cpu_ms_per_step(),
             "p95_ms": 1000 * percentile(kept, 95) if kept else None,
             "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings]}
 
@@ -115,9 +116,12 @@ def main() -> int:
     base = [r for r in rows if r["side"] == "base"]
     ts = [r for r in rows if r["side"] == "trainscout"]
     per_run = markdown_table(
-        ["pair", "baseline median ms", "trainscout median ms", "ratio", "baseline load", "trainscout load"],
+        ["pair", "baseline median ms", "trainscout median ms", "ratio", "baseline CPU ms/step",
+         "trainscout CPU ms/step", "CPU ratio", "baseline load", "trainscout load"],
         [[str(i), fmt(b["median_ms"], 3), fmt(t["median_ms"], 3),
           fmt(t["median_ms"] / b["median_ms"], 4) if b["median_ms"] and t["median_ms"] else "-",
+          fmt(b["cpu_ms"], 2), fmt(t["cpu_ms"], 2),
+          fmt(t["cpu_ms"] / b["cpu_ms"], 4) if b["cpu_ms"] and t["cpu_ms"] else "-",
           fmt(b["load"]), fmt(t["load"])] for i, (b, t) in enumerate(zip(base, ts))])
 
     def med_of_medians(side: list[dict]) -> float:
@@ -136,11 +140,20 @@ def main() -> int:
         ["pooled p95 (all steps)", fmt(pb95, 3), fmt(pt95, 3), fmt(pt95 / pb95, 4)],
         ["median of per-pair ratios", "", "", fmt(median(pair_ratios), 4)],
     ]
+    cpu_b = [r["cpu_ms"] for r in base if r["cpu_ms"]]
+    cpu_t = [r["cpu_ms"] for r in ts if r["cpu_ms"]]
+    cpu_pairs = [t["cpu_ms"] / b["cpu_ms"] for b, t in zip(base, ts) if b["cpu_ms"] and t["cpu_ms"]]
+    if cpu_b and cpu_t:
+        summary.append(["CPU ms per step, all processes (median of runs)", fmt(median(cpu_b), 2),
+                        fmt(median(cpu_t), 2), fmt(median(cpu_t) / median(cpu_b), 4)])
+        summary.append(["median of per-pair CPU ratios", "", "", fmt(median(cpu_pairs), 4)])
     print()
     print(text_table(header, summary))
     print(f"uptime after: {up_after}")
     verdict = "within" if mt / mb <= BAR else "OVER"
     print(f"overhead (median of run medians): {100 * (mt / mb - 1):+.2f} % — {verdict} the 1 % bar")
+    if cpu_b and cpu_t:
+        print(f"CPU per step, all processes: {100 * (median(cpu_t) / median(cpu_b) - 1):+.2f} %")
 
     findings = [(r["run_id"], r["findings"]) for r in ts if r["findings"]]
     failed = [r["run_id"] for r in rows if r["code"] != 0 or not r["steps"]]
@@ -152,6 +165,10 @@ def main() -> int:
             f"ignored; step time from rank 0; run dirs under `{out}`",
             f"- env: trainscout side {ts_env or 'defaults'}; baseline side {base_env or 'defaults'}",
             f"- overhead (median of run medians): **{100 * (mt / mb - 1):+.2f} %** ({verdict} the 1 % bar)",
+            "- CPU per step: CPU seconds of the whole process tree (ranks, torchrun, and on the trainscout side the "
+            "supervisor, agent and coordinator) between rank 0's first logged step after the warm-up and its last "
+            "logged step, divided by the steps in between"
+            + (f": **{100 * (median(cpu_t) / median(cpu_b) - 1):+.2f} %**" if cpu_b and cpu_t else ": not measured"),
             "", markdown_table(header, summary), "", per_run, ""]
     if findings:
         body.append(f"**Findings on healthy trainscout runs:** {findings}")

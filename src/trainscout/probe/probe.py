@@ -101,6 +101,7 @@ class Probe:
         h.on_import("deepspeed.runtime.engine", self._guarded(self.checkpoints.wrap_deepspeed, "checkpoint hook"))
         os.register_at_fork(after_in_child=self._forked_child)
         self.publisher.start()
+        atexit.register(self._write_costs)
         atexit.register(self._final_flush)
 
     def _final_flush(self) -> None:
@@ -117,6 +118,29 @@ class Probe:
             self.publisher.poll_collectives(force=True)
         except Exception:
             pass
+
+    def costs(self) -> dict:
+        """What the probe's own checks cost this rank (seconds on the training thread), for the run's summary."""
+        out: dict = {"rank": self.rank, "steps": self.step, "step_wall_s": self.timing.total_wall_s}
+        sc = self.state_check
+        if sc is not None:
+            out["state_check"] = {"seconds": sc.spent_s, "bytes": sc.checked_bytes, "stride": sc.stride,
+                                  "slots": len(sc._slots), "period_steps": sc.period_steps}
+        if self.replay is not None:
+            out["replay"] = {"seconds": self.replay.spent_s, "count": self.replay.count, "every": self.replay.every}
+        return out
+
+    def _write_costs(self) -> None:
+        run_dir = os.environ.get("TRAINSCOUT_RUN_DIR")
+        if not run_dir or os.getpid() != self.pid:
+            return
+        try:
+            import json
+
+            with open(os.path.join(run_dir, f"probe-cost.rank{self.rank}.json"), "w") as fh:
+                json.dump(self.costs(), fh)
+        except Exception:
+            pass  # a report, never a reason to fail at exit
 
     def _forked_child(self) -> None:
         # A forked child (DataLoader worker) shares the channel mapping but is not the rank.

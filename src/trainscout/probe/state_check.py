@@ -118,14 +118,15 @@ class StateCheck:
         self._adapt_stride()
 
     def _adapt_stride(self) -> None:
-        """Keep cost per hashed step / stride within budget x step time (hysteresis: halve only at 1/4)."""
+        """Keep cost per hashed step / stride at most half the budget x step time: the other half covers
+        what the smoothed cost misses (noisy steps, the structure walk). Halve only below 1/8 (hysteresis)."""
         if self.fixed_period or self._wall_s <= 0 or self.budget <= 0:
             return
         need = self._cost_s / (self.budget * self._wall_s)
         stride = self.stride
-        while stride < need and stride < _MAX_STRIDE:
+        while stride < 2 * need and stride < _MAX_STRIDE:
             stride *= 2
-        while stride > 1 and need < stride / 4:
+        while stride > 1 and 8 * need < stride:
             stride //= 2
         if stride != self.stride:
             self.stride = stride

@@ -22,6 +22,7 @@ class StepTiming:
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
         self.last_wall_s = 0.0
+        self.total_wall_s = 0.0  # from the first step's end: what per-step costs are compared against
 
     def after_step(self, step: int) -> None:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -30,6 +31,8 @@ class StepTiming:
         self.append(STEP_PG_INDEX, step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9),
                     time.time_ns(), step, "step", f"{data_us}:{ckpt_us}")
         self.last_wall_s = wall - self._wall
+        if step > 1:
+            self.total_wall_s += self.last_wall_s
         self._wall, self._cpu = wall, cpu
         self.data_s = self.ckpt_s = self.io_cpu_s = 0.0
 

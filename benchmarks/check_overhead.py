@@ -1,0 +1,143 @@
+"""What each numerical-integrity check costs on the demo workload, side by side with the checks off.
+
+One invocation runs, interleaved round by round, the demo job (4 ranks, gloo DDP) without trainscout and
+under `trainscout run` with: every check off (the foundation alone), one check on at a time (replicated
+state, non-finite origin, replay), and the defaults (all on). Step times come from rank 0 (first --warmup
+steps dropped). A/B step times on a shared 2-core machine move by several percent from run to run, more
+than one check costs, so the table also gives each rank's own accounting of the time its checks took on
+the training thread (`probe-cost.rank*.json`, written at exit): that is the number to hold against the
+0.5 % budgets; the A/B ratios bound what the accounting might miss (background threads, cache effects).
+
+    .venv/bin/python benchmarks/check_overhead.py --rounds 3 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (PYTHON, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
+                     launch, load1, machine, markdown_table, median, read_jsonl, text_table, uptime)
+
+OFF = {"TRAINSCOUT_STATE_CHECK": "0", "TRAINSCOUT_NONFINITE_CHECK": "0", "TRAINSCOUT_REPLAY_EVERY": "0"}
+CONFIGS = {
+    "baseline": None,
+    "checks off": OFF,
+    "state only": {**OFF, "TRAINSCOUT_STATE_CHECK": "1"},
+    "non-finite only": {**OFF, "TRAINSCOUT_NONFINITE_CHECK": "1"},
+    "replay only": {k: v for k, v in OFF.items() if k != "TRAINSCOUT_REPLAY_EVERY"},
+    "defaults (all on)": {},
+}
+
+
+def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
+    run_id = f"chk-{name.split()[0].replace('-', '')}-{index:02d}"
+    timing = out / f"{run_id}.steps.txt"
+    timing.unlink(missing_ok=True)
+    job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
+           str(free_port()), "-m", "trainscout.demo.train", "--steps", str(args.steps), "--timing-file", str(timing)]
+    cmd = job if env is None else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir", str(out),
+                                   "--run-id", run_id, "--", *job]
+    res = launch(cmd, out / f"{run_id}.out", env=env or {}, timeout_s=args.timeout)
+    steps = [float(x) for x in timing.read_text().split()] if timing.exists() else []
+    kept = steps[args.warmup:]
+    costs = []
+    for path in sorted((out / run_id).glob("probe-cost.rank*.json")) if env is not None else []:
+        costs.append(json.loads(path.read_text()))
+    findings = read_jsonl(out / run_id / "findings.jsonl") if env is not None else []
+    return {"config": name, "run_id": run_id, "code": res.code, "load": round(res.load_before, 2),
+            "median_ms": 1000 * median(kept) if kept else None, "costs": costs,
+            "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings]}
+
+
+def accounting(rows: list[dict], check: str) -> tuple[float | None, float | None, str]:
+    """Median over runs and ranks of ms/step and % of step time the rank spent in `check`; plus detail."""
+    per_step, share, detail = [], [], set()
+    for r in rows:
+        for c in r["costs"]:
+            if check in c and c.get("steps", 0) > 1 and c.get("step_wall_s", 0) > 0:
+                per_step.append(1000 * c[check]["seconds"] / c["steps"])
+                share.append(100 * c[check]["seconds"] / c["step_wall_s"])
+                if check == "state_check":
+                    detail.add(f"stride {c[check]['stride']}, {c[check]['slots']} slots, "
+                               f"period {c[check]['period_steps']} steps")
+                else:
+                    detail.add(f"every {c[check]['every']} steps, {c[check]['count']} replays")
+    if not per_step:
+        return None, None, ""
+    return median(per_step), median(share), "; ".join(sorted(detail)[:3])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    args = parser.parse_args()
+    out = args.out_dir or default_out_dir("check-overhead")
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    info["date"] = date_utc()
+    up_before = uptime()
+    print(f"out dir: {out}\nuptime before: {up_before}", flush=True)
+    rows: list[dict] = []
+    for i in range(args.rounds):
+        for name, env in CONFIGS.items():
+            row = one_run(name, env, i, args, out)
+            rows.append(row)
+            with (out / "check_overhead.jsonl").open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            print(f"{row['run_id']}: {name}: median {fmt(row['median_ms'], 3)} ms, exit {row['code']}, load "
+                  f"{row['load']:.2f}" + (f", findings {row['findings']}" if row["findings"] else ""), flush=True)
+    up_after = uptime()
+
+    def med(name: str) -> float | None:
+        vals = [r["median_ms"] for r in rows if r["config"] == name and r["median_ms"] is not None]
+        return median(vals) if vals else None
+
+    base, off = med("baseline"), med("checks off")
+    header = ["configuration", "median of run medians ms", "vs baseline", "vs checks off",
+              "in-rank accounting ms/step", "% of step time", "schedule"]
+    table = []
+    for name in CONFIGS:
+        m = med(name)
+        check = {"state only": "state_check", "replay only": "replay"}.get(name)
+        acc = accounting([r for r in rows if r["config"] == name], check) if check else (None, None, "")
+        table.append([name, fmt(m, 3), fmt(m / base, 4) if m and base else "-",
+                      fmt(m / off, 4) if m and off and name != "baseline" else "-",
+                      fmt(acc[0], 3) if acc[0] is not None else "-", fmt(acc[1], 3) if acc[1] is not None else "-",
+                      acc[2]])
+    per_round = markdown_table(["round"] + list(CONFIGS),
+                               [[str(i)] + [fmt(r["median_ms"], 3) for r in rows[i * len(CONFIGS):(i + 1) * len(CONFIGS)]]
+                                for i in range(args.rounds)])
+    print()
+    print(text_table(header, table))
+    print(f"uptime after: {up_after}")
+    findings = [(r["run_id"], r["findings"]) for r in rows if r["findings"]]
+    failed = [r["run_id"] for r in rows if r["code"] != 0 or r["median_ms"] is None]
+    body = [f"- uptime before `{up_before}`; after `{up_after}`; 1-min load at run starts "
+            f"{min(r['load'] for r in rows):.2f}-{max(r['load'] for r in rows):.2f}",
+            f"- {args.rounds} rounds x {len(CONFIGS)} configurations, interleaved; {args.nproc} ranks, {args.steps} "
+            f"steps, first {args.warmup} ignored; step time from rank 0; run dirs under `{out}`",
+            "- in-rank accounting: seconds each rank's probe spent in the check on the training thread "
+            "(`probe-cost.rank*.json`), median over ranks and runs",
+            "", markdown_table(header, table), "", "Median step ms per run:", "", per_round, ""]
+    if findings:
+        body.append(f"**Findings on healthy runs:** {findings}")
+    if failed:
+        body.append(f"**Runs that failed or wrote no timings:** {failed}")
+    if not args.no_record:
+        append_results("Per-check overhead (benchmarks/check_overhead.py)", info, command_line(), "\n".join(body))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
