@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
+from _common import (PYTHON, CpuSampler, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
                      launch, load1, machine, markdown_table, median, read_jsonl, text_table, uptime)
 
 OFF = {"TRAINSCOUT_STATE_CHECK": "0", "TRAINSCOUT_NONFINITE_CHECK": "0", "TRAINSCOUT_REPLAY_EVERY": "0"}
@@ -42,7 +42,8 @@ def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
            str(free_port()), "-m", "trainscout.demo.train", "--steps", str(args.steps), "--timing-file", str(timing)]
     cmd = job if env is None else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir", str(out),
                                    "--run-id", run_id, "--", *job]
-    res = launch(cmd, out / f"{run_id}.out", env=env or {}, timeout_s=args.timeout)
+    sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
+    res = launch(cmd, out / f"{run_id}.out", env=env or {}, timeout_s=args.timeout, sampler=sampler)
     steps = [float(x) for x in timing.read_text().split()] if timing.exists() else []
     kept = steps[args.warmup:]
     costs = []
@@ -50,7 +51,7 @@ def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
         costs.append(json.loads(path.read_text()))
     findings = read_jsonl(out / run_id / "findings.jsonl") if env is not None else []
     return {"config": name, "run_id": run_id, "code": res.code, "load": round(res.load_before, 2),
-            "median_ms": 1000 * median(kept) if kept else None, "costs": costs,
+            "median_ms": 1000 * median(kept) if kept else None, "cpu_ms": sampler.cpu_ms_per_step(), "costs": costs,
             "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings]}
 
 
@@ -65,7 +66,7 @@ def accounting(rows: list[dict], check: str) -> tuple[float | None, float | None
                 if check == "state_check":
                     detail.add(f"stride {c[check]['stride']}, {c[check]['slots']} slots, "
                                f"period {c[check]['period_steps']} steps")
-                else:
+                elif check == "replay":
                     detail.add(f"every {c[check]['every']} steps, {c[check]['count']} replays")
     if not per_step:
         return None, None, ""
@@ -99,20 +100,24 @@ def main() -> int:
                   f"{row['load']:.2f}" + (f", findings {row['findings']}" if row["findings"] else ""), flush=True)
     up_after = uptime()
 
-    def med(name: str) -> float | None:
-        vals = [r["median_ms"] for r in rows if r["config"] == name and r["median_ms"] is not None]
+    def med(name: str, key: str = "median_ms") -> float | None:
+        vals = [r[key] for r in rows if r["config"] == name and r[key] is not None]
         return median(vals) if vals else None
 
     base, off = med("baseline"), med("checks off")
-    header = ["configuration", "median of run medians ms", "vs baseline", "vs checks off",
-              "in-rank accounting ms/step", "% of step time", "schedule"]
+    cbase, coff = med("baseline", "cpu_ms"), med("checks off", "cpu_ms")
+    header = ["configuration", "median of run medians ms", "vs baseline", "vs checks off", "CPU ms/step (all processes)",
+              "CPU vs baseline", "CPU vs checks off", "in-rank accounting ms/step", "% of step time", "schedule"]
     table = []
     for name in CONFIGS:
         m = med(name)
-        check = {"state only": "state_check", "replay only": "replay"}.get(name)
+        check = {"state only": "state_check", "replay only": "replay", "non-finite only": "nonfinite"}.get(name)
         acc = accounting([r for r in rows if r["config"] == name], check) if check else (None, None, "")
+        c = med(name, "cpu_ms")
         table.append([name, fmt(m, 3), fmt(m / base, 4) if m and base else "-",
                       fmt(m / off, 4) if m and off and name != "baseline" else "-",
+                      fmt(c, 2), fmt(c / cbase, 4) if c and cbase else "-",
+                      fmt(c / coff, 4) if c and coff and name != "baseline" else "-",
                       fmt(acc[0], 3) if acc[0] is not None else "-", fmt(acc[1], 3) if acc[1] is not None else "-",
                       acc[2]])
     per_round = markdown_table(["round"] + list(CONFIGS),

@@ -4,8 +4,10 @@ After the gradient all-reduce every rank holds NaN, so the origin can only be se
 the loss when `backward()` is called on it, and each gradient before DDP reduces it. The coordinator
 then names the rank(s) that turned non-finite at the earliest step.
 
-CPU tensors are checked at once: the loss in the `backward` wrapper, each gradient in a
-post-accumulate-grad hook (one sum per gradient, judged once per step).
+CPU tensors are checked at once: the loss in the `backward` wrapper, the gradients at the end of the
+backward pass, in the same engine callback the CUDA path uses (below): one fused L1 norm per gradient
+(`torch._foreach_norm`) and one finiteness test, instead of a Python hook per gradient. With
+`gradient_as_bucket_view=True` each gradient is summed in its own post-accumulate-grad hook instead.
 
 CUDA tensors are checked without a host sync, once per backward. The wrapper hooks the start of the
 backward pass and queues an engine callback from there; engine callbacks run in order at the end of the
@@ -39,6 +41,10 @@ class NonFiniteCheck:
         self._hooked: set[int] = set()
         self._sums: list = []
         self.names: dict[int, str] = {}
+        # CPU gradients judged at the end of each backward pass (see the module docstring)
+        self._cpu_params: list = []
+        self._cpu_names: list[str] = []
+        self._cpu_armed = False
         # CUDA path
         self._device_params: list = []
         self._device_names: list[str] = []
@@ -74,6 +80,9 @@ class NonFiniteCheck:
 
                         if not bool(torch.isfinite(t.detach()).all()):
                             check._report("loss", "")
+                        if check._cpu_params and t.grad_fn is not None:
+                            check._cpu_armed = True
+                            t.grad_fn.register_prehook(check._cpu_backward_started)
                     elif device.type == "cuda" and check._device_ok:
                         try:
                             check._arm(t)
@@ -107,6 +116,10 @@ class NonFiniteCheck:
                 continue
             self._hooked.add(id(p))
             name = names.get(id(p), "")
+            if not bucket_views:
+                self._cpu_params.append(p)
+                self._cpu_names.append(name)
+                continue
 
             def hook(param, name=name):
                 # One cheap op per gradient, before DDP reduces it: NaN/Inf anywhere makes the sum
@@ -163,6 +176,30 @@ class NonFiniteCheck:
         else:
             self._armed = (step, loss.detach())
             fn.register_prehook(self._backward_started)
+        self.spent_s += time.perf_counter() - t0
+
+    def _cpu_backward_started(self, grad_outputs):
+        if self._cpu_armed:
+            import torch
+
+            torch.autograd.Variable._execution_engine.queue_callback(self._cpu_backward_done)
+
+    def _cpu_backward_done(self) -> None:
+        """End of a CPU backward pass, before DDP copies reduced buckets back: judge the local gradients."""
+        if not self._cpu_armed:
+            return
+        self._cpu_armed = False
+        t0 = time.perf_counter()
+        try:
+            import torch
+
+            kept = [(n, p.grad) for n, p in zip(self._cpu_names, self._cpu_params) if p.grad is not None]
+            if kept:
+                finite = torch.isfinite(torch.stack(_l1_norms([g for _, g in kept])))
+                if not bool(finite.all()):
+                    self._report("grad", kept[int((~finite).nonzero()[0])][0])
+        except Exception:
+            pass  # fail open: never raise into the autograd engine
         self.spent_s += time.perf_counter() - t0
 
     def _backward_started(self, grad_outputs):

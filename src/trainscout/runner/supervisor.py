@@ -281,7 +281,7 @@ def probe_cost_note(run_dir: str) -> str:
     if not reports:
         return ""
     parts = []
-    for check in ("state_check", "replay"):
+    for check in ("state_check", "nonfinite", "replay"):
         shares = [r[check]["seconds"] / r["step_wall_s"] for r in reports if check in r]
         per_step = [1000 * r[check]["seconds"] / r["steps"] for r in reports if check in r]
         if shares:
