@@ -269,3 +269,14 @@ class CpuSampler:
             return None
         (s0, c0), (s1, c1) = self.samples[0], moving[-1]
         return 1000 * (c1 - c0) / (s1 - s0)
+
+
+def begin(name: str, out_dir: Path | None) -> tuple[Path, dict[str, str], str]:
+    """Every benchmark's start: its run folder, the machine facts with today's date, and `uptime` now."""
+    out = out_dir or default_out_dir(name)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    info["date"] = date_utc()
+    up_before = uptime()
+    print(f"out dir: {out}\nuptime before: {up_before}", flush=True)
+    return out, info, up_before

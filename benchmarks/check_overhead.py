@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, CpuSampler, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
-                     launch, load1, machine, markdown_table, median, read_jsonl, text_table, uptime)
+from _common import (PYTHON, begin, CpuSampler, append_results, command_line, fmt, free_port, launch,  # noqa: E402
+                     markdown_table, median, read_jsonl, text_table, uptime)
 
 OFF = {"TRAINSCOUT_STATE_CHECK": "0", "TRAINSCOUT_NONFINITE_CHECK": "0", "TRAINSCOUT_REPLAY_EVERY": "0"}
 CONFIGS = {
@@ -82,16 +82,18 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    parser.add_argument("--only", default="", help="comma-separated configurations to run (default: all of "
+                        + ", ".join(CONFIGS) + "); baseline and checks off are always run")
     args = parser.parse_args()
-    out = args.out_dir or default_out_dir("check-overhead")
-    out.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    info["date"] = date_utc()
-    up_before = uptime()
-    print(f"out dir: {out}\nuptime before: {up_before}", flush=True)
+    wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+    unknown = wanted - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configuration(s) {sorted(unknown)}; choose from {list(CONFIGS)}")
+    configs = {k: v for k, v in CONFIGS.items() if not wanted or k in wanted or k in ("baseline", "checks off")}
+    out, info, up_before = begin("check-overhead", args.out_dir)
     rows: list[dict] = []
     for i in range(args.rounds):
-        for name, env in CONFIGS.items():
+        for name, env in configs.items():
             row = one_run(name, env, i, args, out)
             rows.append(row)
             with (out / "check_overhead.jsonl").open("a") as fh:
@@ -109,7 +111,7 @@ def main() -> int:
     header = ["configuration", "median of run medians ms", "vs baseline", "vs checks off", "CPU ms/step (all processes)",
               "CPU vs baseline", "CPU vs checks off", "in-rank accounting ms/step", "% of step time", "schedule"]
     table = []
-    for name in CONFIGS:
+    for name in configs:
         m = med(name)
         check = {"state only": "state_check", "replay only": "replay", "non-finite only": "nonfinite"}.get(name)
         acc = accounting([r for r in rows if r["config"] == name], check) if check else (None, None, "")
@@ -120,8 +122,8 @@ def main() -> int:
                       fmt(c / coff, 4) if c and coff and name != "baseline" else "-",
                       fmt(acc[0], 3) if acc[0] is not None else "-", fmt(acc[1], 3) if acc[1] is not None else "-",
                       acc[2]])
-    per_round = markdown_table(["round"] + list(CONFIGS),
-                               [[str(i)] + [fmt(r["median_ms"], 3) for r in rows[i * len(CONFIGS):(i + 1) * len(CONFIGS)]]
+    per_round = markdown_table(["round"] + list(configs),
+                               [[str(i)] + [fmt(r["median_ms"], 3) for r in rows[i * len(configs):(i + 1) * len(configs)]]
                                 for i in range(args.rounds)])
     print()
     print(text_table(header, table))
@@ -130,7 +132,7 @@ def main() -> int:
     failed = [r["run_id"] for r in rows if r["code"] != 0 or r["median_ms"] is None]
     body = [f"- uptime before `{up_before}`; after `{up_after}`; 1-min load at run starts "
             f"{min(r['load'] for r in rows):.2f}-{max(r['load'] for r in rows):.2f}",
-            f"- {args.rounds} rounds x {len(CONFIGS)} configurations, interleaved; {args.nproc} ranks, {args.steps} "
+            f"- {args.rounds} rounds x {len(configs)} configurations, interleaved; {args.nproc} ranks, {args.steps} "
             f"steps, first {args.warmup} ignored; step time from rank 0; run dirs under `{out}`",
             "- in-rank accounting: seconds each rank's probe spent in the check on the training thread "
             "(`probe-cost.rank*.json`), median over ranks and runs",

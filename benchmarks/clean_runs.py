@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
-                     launch, machine, markdown_table, median, read_jsonl, text_table, uptime)
+from _common import (PYTHON, begin, append_results, command_line, fmt, free_port, launch, markdown_table,  # noqa: E402
+                     median, read_jsonl, text_table, uptime)
 
 
 def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str) -> list[str]:
@@ -63,12 +63,7 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default /tmp/...)")
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")
     args = parser.parse_args()
-    out = args.out_dir or default_out_dir("clean")
-    out.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    info["date"] = date_utc()
-    up_before = uptime()
-    print(f"out dir: {out}\nuptime before: {up_before}", flush=True)
+    out, info, up_before = begin("clean", args.out_dir)
 
     rows: list[dict] = []
     counts: dict[str, int] = {}

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
-                     launch, machine, markdown_table, median, percentile, read_jsonl, text_table, uptime)
+from _common import (PYTHON, begin, append_results, command_line, fmt, free_port, launch, markdown_table,  # noqa: E402
+                     median, percentile, read_jsonl, text_table, uptime)
 
 # name -> (extra demo arguments, the finding kind that is correct for it)
 FAULTS: dict[str, tuple[list[str], str]] = {
@@ -94,12 +94,7 @@ def main() -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         parser.error(f"unknown fault(s): {unknown}")
-    out = args.out_dir or default_out_dir("latency")
-    out.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    info["date"] = date_utc()
-    up_before = uptime()
-    print(f"out dir: {out}\nuptime before: {up_before}", flush=True)
+    out, info, up_before = begin("latency", args.out_dir)
 
     rows: list[dict] = []
     raw = out / "latency.jsonl"

@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, REPO, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
-                     load1, machine, markdown_table, median, text_table, uptime)
+from _common import (PYTHON, begin, REPO, append_results, command_line, fmt, free_port, load1,  # noqa: E402
+                     markdown_table, median, text_table, uptime)
 
 PY_SPY = str(Path(PYTHON).parent / "py-spy")
 CLK = os.sysconf("SC_CLK_TCK")
@@ -220,12 +220,7 @@ def main() -> int:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     args.base_env, args.trainscout_env = _env(args.base_env), _env(args.trainscout_env)
-    out = args.out_dir or default_out_dir("overhead-profile")
-    out.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    info["date"] = date_utc()
-    up_before = uptime()
-    print(f"out dir: {out}\nuptime before: {up_before}", flush=True)
+    out, info, up_before = begin("overhead-profile", args.out_dir)
     results = [run_once(side, args, out) for side in ((("trainscout",) if args.only_trainscout
                                                        else ("base", "trainscout")))]
     up_after = uptime()

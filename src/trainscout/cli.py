@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -106,6 +107,22 @@ def _demo_command(args) -> list[str]:
             "--master-port", str(args.master_port), "-m", "trainscout.demo.train", "--steps", str(args.steps)]
 
 
+def _request_replay(run_dir: str, layer: str) -> int:
+    from trainscout.coordinator.main import REPLAY_REQUEST
+
+    if not os.path.exists(os.path.join(run_dir, "coordinator.addr")):
+        print(f"trainscout: {run_dir} is not the folder of a running trainscout job (no coordinator.addr)",
+              file=sys.stderr)
+        return 2
+    path = os.path.join(run_dir, REPLAY_REQUEST)
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"layer": layer}, fh)
+    os.replace(path + ".tmp", path)  # the coordinator reads it whole or not at all
+    print(f"trainscout: replay of {layer or 'the next layer'} requested; the coordinator schedules it a few seconds "
+          f"of training ahead (events.jsonl: replay_requested; findings as usual)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
@@ -145,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                                       "saved with torch.save, torch.distributed.checkpoint or DeepSpeed), judge "
                                       "them against the run's findings, and name the checkpoint to recover from.")
     ckpt.add_argument("dir", help="folder to search (recursively)")
+    replay = sub.add_parser("replay", help="ask a running job's replicas to replay a layer now (SDC check)",
+                            description="Ask the coordinator of a running `trainscout run` to schedule an in-situ "
+                                        "replay: every replica recomputes one layer on the same input with its live "
+                                        "parameters a few seconds of training from now, and the outputs are compared "
+                                        "(findings as for scheduled replays). Needs replay enabled "
+                                        "(TRAINSCOUT_REPLAY_EVERY > 0, DDP over 3 or more replicas to attribute).")
+    replay.add_argument("run_dir", help="runs/<run-id> of the running job")
+    replay.add_argument("--layer", default="", help="layer to replay (e.g. blocks.1); default: the next one of the rotation")
     report = sub.add_parser("report", help="print the summary of a finished run")
     report.add_argument("run_dir", help="runs/<run-id>")
     args = parser.parse_args(argv)
@@ -164,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         from trainscout.checkpoint_list import main as list_main
 
         return list_main(args.dir, sys.stdout)
+    if args.cmd == "replay":
+        return _request_replay(args.run_dir, args.layer)
     if args.cmd == "report":
         path = os.path.join(args.run_dir, "summary.md")
         if not os.path.exists(path):

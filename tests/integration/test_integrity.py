@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import JobResult, free_port, of_kind, run_under_trainscout, torchrun_cmd, trainscout_cmd
+from conftest import (Job, JobResult, free_port, of_kind, run_under_trainscout, torchrun_cmd, trainscout_cmd,
+                      unique_run_id)
 
 pytestmark = pytest.mark.slow
 
@@ -440,3 +441,39 @@ def test_checkpoints_after_a_corruption_are_suspect_and_recovery_picks_one_befor
         assert cert["run_dir"] == str(result.run_path), cert
         if cert["status"] == "certified":
             assert cert["trust"]["suspect_since"] is None and cert["trust"]["verified_step"] >= 0, cert
+
+
+# ---- 4b. replay on command ----------------------------------------------------------------------
+
+def test_replay_on_command_names_the_rank_that_computes_the_requested_layer_wrong(tmp_path):
+    """`trainscout replay RUN_DIR --layer L` while the job runs: no scheduled replay falls in this job
+    (every 1000 steps), so the one finding can only come from the replay asked for."""
+    run_id = unique_run_id("replay-cmd")
+    launch = torchrun_cmd("--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trainscout.demo.train",
+                          "--steps", "400", "--slow-ms", "20")
+    perturb = f"perturb:rank={PERTURB_RANK}:step={PERTURB_STEP}:layer={PERTURB_LAYER}"
+    job = Job(trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain",
+                             "--inject", perturb, "--", *launch), tmp_path, run_id,
+              env=_knobs(state_period=STATE_PERIOD, replay_every=1000))
+    try:
+        job.wait_for_launcher_text("step 20 loss", timeout=TIMEOUT_S)
+        asked = subprocess.run(trainscout_cmd("replay", str(job.run_path), "--layer", PERTURB_LAYER),
+                               capture_output=True, text=True, timeout=60)
+        assert asked.returncode == 0, asked.stderr
+        result = job.wait(TIMEOUT_S)
+    finally:
+        job.cleanup()
+    assert result.returncode == 0, result.describe()
+    requested = [e for e in result.events if e["kind"] == "replay_requested"]
+    assert len(requested) == 1 and requested[0]["layer"] == PERTURB_LAYER, result.describe()
+    replay = _replay_findings(result)
+    assert [f["kind"] for f in replay] == ["sdc"], result.describe()
+    f = replay[0]
+    assert f["status"] == "attributed" and f["culprit_ranks"] == [PERTURB_RANK], result.describe()
+    assert f["evidence"]["layer"] == PERTURB_LAYER and f["step"] == requested[0]["step"], result.describe()
+    assert not _state_findings(result), result.describe()
+
+
+def test_replay_request_outside_a_running_job_is_refused(tmp_path):
+    asked = subprocess.run(trainscout_cmd("replay", str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert asked.returncode == 2 and "not the folder of a running trainscout job" in asked.stderr

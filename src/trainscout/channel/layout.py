@@ -90,6 +90,11 @@ def tensor_table_path(run_id: str, rank: int) -> str:
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.tensors.json")
 
 
+def replay_request_path(run_id: str) -> str:
+    """Node-wide JSON the agent writes when the coordinator schedules an on-command replay."""
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}replay.json")
+
+
 def trust_path(run_id: str) -> str:
     """Node-wide JSON the agent writes from the coordinator's trust state (for checkpoint certificates)."""
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}trust.json")

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
@@ -57,6 +58,11 @@ class PendingFetch:
     records: dict = field(default_factory=dict)
 
 
+REPLAY_REQUEST = "replay-request"  # file in the run dir that `trainscout replay` writes
+REPLAY_LEAD_S = 5.0  # how far ahead an on-command replay is scheduled, in seconds of training
+REPLAY_LEAD_STEPS = 10
+
+
 class Coordinator:
     def __init__(self, endpoint: CoordinatorEndpoint, run_dir: str, console: ConsoleSink, *,
                  hang_timeout_s: float = 5.0, stall_timeout_s: float = 300.0, abort_on: set[str] | None = None,
@@ -76,6 +82,8 @@ class Coordinator:
         self.stack_timeout_s = stack_timeout_s
         self.agent_silence_s = agent_silence_s
         self.ranks: dict[int, RankObs] = {}
+        self.replay_request_file = os.path.join(run_dir, REPLAY_REQUEST)
+        self._step_history: deque = deque(maxlen=64)  # (monotonic s, highest step of any rank)
         self.rank_node: dict[int, bytes] = {}
         self.nodes: dict[bytes, dict] = {}
         self.launcher_codes: dict[int, int] = {}
@@ -143,6 +151,7 @@ class Coordinator:
             self._flush_due(now)
             return
         self._watch_agents(now)  # first: a silent agent's ranks must not be judged in this very pass
+        self._replay_on_command(now)
         # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
         seen = {r: o for r, o in self.ranks.items() if not self.nodes.get(self.rank_node.get(r), {}).get("lost")}
         findings, fetches = self.desync.update(seen)
@@ -190,6 +199,49 @@ class Coordinator:
         self._last_trust = payload
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="trust", request_id=next(self.request_ids), payload=payload))
+
+    def _replay_on_command(self, now: float) -> None:
+        """`trainscout replay RUN_DIR` drops a request file; schedule the replay a few seconds of steps ahead.
+
+        Every replica must replay at the same step (the input travels by a side-group broadcast), so the
+        step is picked far enough ahead that every probe has read the request before reaching it.
+        """
+        if self.ranks:
+            top = max(o.state.step for o in self.ranks.values())
+            if not self._step_history or self._step_history[-1][1] != top:
+                self._step_history.append((now, top))
+        if not os.path.exists(self.replay_request_file):
+            return
+        try:
+            with open(self.replay_request_file) as fh:
+                request = json.load(fh)
+            os.unlink(self.replay_request_file)
+        except (OSError, ValueError) as exc:
+            self.console.warn(f"replay request unreadable: {exc}")
+            try:
+                os.unlink(self.replay_request_file)
+            except OSError:
+                pass
+            return
+        layers = sorted({layer for o in self.ranks.values() for layer in o.state.replay_layers})
+        layer = str(request.get("layer") or "")
+        if not layers or not self._step_history:
+            self.console.warn("replay request ignored: no rank has replay enabled yet (DDP over 3+ replicas, "
+                              "TRAINSCOUT_REPLAY_EVERY > 0)")
+            self.events.write("replay_request_ignored", reason="no replay layers")
+            return
+        if layer and layer not in layers:
+            self.console.warn(f"replay request ignored: unknown layer {layer!r} (layers: {', '.join(layers)})")
+            self.events.write("replay_request_ignored", reason=f"unknown layer {layer}")
+            return
+        (t0, s0), (t1, s1) = self._step_history[0], self._step_history[-1]
+        rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        step = s1 + max(REPLAY_LEAD_STEPS, int(rate * REPLAY_LEAD_S) + 1)
+        payload = json.dumps({"id": next(self.request_ids), "step": step, "layer": layer})
+        for ident in self.nodes:
+            self.endpoint.send(ident, Command(kind="replay", request_id=next(self.request_ids), payload=payload))
+        self.console.info(f"replay requested: {layer or 'next layer of the rotation'} at step {step}")
+        self.events.write("replay_requested", step=step, layer=layer, steps_per_s=round(rate, 2))
 
     def _start_stacks(self, suspect: Suspect, now: float) -> None:
         suspect.finding.first_seen = time.time()

@@ -10,10 +10,9 @@ import atexit
 import faulthandler
 import os
 import signal
-import sys
 import time
 
-from trainscout.channel.layout import stack_path
+from trainscout.channel.layout import replay_request_path, stack_path
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
 from trainscout.probe.checkpoints import CheckpointHooks
@@ -64,9 +63,16 @@ class Probe:
         self.model = None
         self.timing = StepTiming(self.publisher.append_locked)
         self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self._ckpt_time)
-        every = _int_env("TRAINSCOUT_REPLAY_EVERY", 100)
+        # 200: one replay cost ~20 ms of a demo rank's time (4 ranks on 2 cores, the broadcast waits for
+        # the slowest replica), 0.45 % of step time at every 100 steps; 200 keeps it well inside 0.5 %
+        every = _int_env("TRAINSCOUT_REPLAY_EVERY", 200)
         self.replay = Replay(self.publisher.append_locked, every, rank) if every > 0 else None
         self._replay_group = None
+        self._replay_request: tuple[int, int, str] | None = None  # (id, step, layer) from `trainscout replay`
+        self._replay_request_mtime = 0
+        self._replay_requests_done: set[int] = set()
+        if self.replay is not None:
+            self.publisher.on_tick = self._read_replay_request
 
     def _load_injector(self):
         if not os.environ.get("TRAINSCOUT_INJECT"):
@@ -118,6 +124,29 @@ class Probe:
             self.publisher.poll_collectives(force=True)
         except Exception:
             pass
+
+    def _read_replay_request(self) -> None:
+        """Publisher thread: pick up a replay request the agent wrote (see coordinator `_replay_on_command`)."""
+        try:
+            path = replay_request_path(self.run_id)
+            mtime = os.stat(path).st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._replay_request_mtime:
+            return
+        self._replay_request_mtime = mtime
+        import json
+
+        with open(path) as fh:
+            doc = json.load(fh)
+        rid = int(doc["id"])
+        if rid in self._replay_requests_done:
+            return
+        self._replay_requests_done.add(rid)
+        if int(doc["step"]) <= self.step:
+            self._error(f"on-command replay at step {doc['step']} missed (read at step {self.step})")
+            return
+        self._replay_request = (rid, int(doc["step"]), str(doc.get("layer") or ""))
 
     def costs(self) -> dict:
         """What the probe's own checks cost this rank (seconds on the training thread), for the run's summary."""
@@ -270,12 +299,21 @@ class Probe:
             except Exception as exc:  # fail open
                 self.state_check = None
                 self._error(f"replicated-state check disabled: {exc!r}")
-        if self.replay is not None and self.replay.due(self.step):
+        request = self._replay_request
+        on_command = request is not None and request[1] == self.step
+        if self.replay is not None and (on_command or self.replay.due(self.step)):
             try:
-                self.replay.run(self.step)
+                self.replay.run(self.step, on_command=on_command)
             except Exception as exc:  # fail open
                 self.replay = None
                 self._error(f"replay disabled: {exc!r}")
+        if request is not None and self.replay is not None:
+            if self.step >= request[1]:
+                self._replay_request = None
+                if self.step > request[1]:  # read too late: the other replicas replayed without us
+                    self._error(f"on-command replay at step {request[1]} missed (request read at step {self.step})")
+            else:
+                self.replay.prepare(request[2])
         if self.injector is not None:
             self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
 

@@ -57,11 +57,17 @@ class Publisher(threading.Thread):
         self._collectives = 0
         self._mismatch = 0
         self._collectives_ok = True
+        self.on_tick = None  # extra work of the probe on this thread (e.g. reading requests)
 
     def run(self) -> None:
         w = self.writer
         while not self.stop_event.wait(self.tick_s):
             w.set("heartbeat_ns", time.monotonic_ns())
+            if self.on_tick is not None:
+                try:
+                    self.on_tick()
+                except Exception:
+                    pass
             if self._collectives_ok:
                 try:
                     self.poll_collectives()

@@ -69,12 +69,22 @@ class Replay:
     def due(self, step: int) -> bool:
         return bool(self.layers) and self.group is not None and step % self.every == 0
 
-    def run(self, step: int) -> None:
+    def prepare(self, layer: str) -> None:
+        """An on-command replay of `layer` ("" = the next of the rotation) is coming: capture its input."""
+        for i, (name, _) in enumerate(self.layers):
+            if name == layer:
+                self._next_index = i
+
+    def run(self, step: int, on_command: bool = False) -> None:
         import torch
 
         t0 = time.perf_counter()
-        index = (step // self.every - 1) % len(self.layers)
-        self._next_index = (index + 1) % len(self.layers)
+        if on_command:  # the layer prepare() chose; then back to the schedule's rotation
+            index = self._next_index
+            self._next_index = (step // self.every) % len(self.layers)
+        else:
+            index = (step // self.every - 1) % len(self.layers)
+            self._next_index = (index + 1) % len(self.layers)
         name, layer = self.layers[index]
         x = self._exchange_input(name)
         self._captured = {}

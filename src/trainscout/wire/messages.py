@@ -150,13 +150,13 @@ class Goodbye(msgspec.Struct, tag=True):
 class Command(msgspec.Struct, tag=True):
     """Coordinator -> agent."""
 
-    kind: str  # dump_stacks | fetch_records | abort | trust
+    kind: str  # dump_stacks | fetch_records | abort | trust | replay
     request_id: int
     ranks: list[int] = []
     pg: str = ""
     seq_from: int = 0
     seq_to: int = 0
-    payload: str = ""  # trust: JSON the agent hands to the probes (checkpoint certificates)
+    payload: str = ""  # trust / replay: JSON the agent hands to the probes (certificates, replay request)
 
 
 ToCoordinator = Union[Hello, NodeDigest, StackReport, RecordsReport, LauncherReport, Goodbye]
