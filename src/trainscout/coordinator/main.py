@@ -234,7 +234,9 @@ class Coordinator:
             self.console.warn(f"replay request ignored: unknown layer {layer!r} (layers: {', '.join(layers)})")
             self.events.write("replay_request_ignored", reason=f"unknown layer {layer}")
             return
-        (t0, s0), (t1, s1) = self._step_history[0], self._step_history[-1]
+        # the rate of the last few seconds: the history reaches back to start-up, when steps did not move
+        t1, s1 = self._step_history[-1]
+        t0, s0 = next((t, s) for t, s in self._step_history if t >= t1 - REPLAY_LEAD_S)
         rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
         step = s1 + max(REPLAY_LEAD_STEPS, int(rate * REPLAY_LEAD_S) + 1)
         payload = json.dumps({"id": next(self.request_ids), "step": step, "layer": layer})
