@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from trainscout.sinks import probe_costs  # noqa: E402
+
 from _common import (PYTHON, begin, CpuSampler, append_results, command_line, fmt, free_port, launch,  # noqa: E402
                      markdown_table, median, read_jsonl, text_table, uptime)
 
@@ -46,9 +48,7 @@ def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
     res = launch(cmd, out / f"{run_id}.out", env=env or {}, timeout_s=args.timeout, sampler=sampler)
     steps = [float(x) for x in timing.read_text().split()] if timing.exists() else []
     kept = steps[args.warmup:]
-    costs = []
-    for path in sorted((out / run_id).glob("probe-cost.rank*.json")) if env is not None else []:
-        costs.append(json.loads(path.read_text()))
+    costs = probe_costs.read_reports(str(out / run_id)) if env is not None else []
     findings = read_jsonl(out / run_id / "findings.jsonl") if env is not None else []
     return {"config": name, "run_id": run_id, "code": res.code, "load": round(res.load_before, 2),
             "median_ms": 1000 * median(kept) if kept else None, "cpu_ms": sampler.cpu_ms_per_step(), "costs": costs,
@@ -57,17 +57,14 @@ def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
 
 def accounting(rows: list[dict], check: str) -> tuple[float | None, float | None, str]:
     """Median over runs and ranks of ms/step and % of step time the rank spent in `check`; plus detail."""
-    per_step, share, detail = [], [], set()
-    for r in rows:
-        for c in r["costs"]:
-            if check in c and c.get("steps", 0) > 1 and c.get("step_wall_s", 0) > 0:
-                per_step.append(1000 * c[check]["seconds"] / c["steps"])
-                share.append(100 * c[check]["seconds"] / c["step_wall_s"])
-                if check == "state_check":
-                    detail.add(f"stride {c[check]['stride']}, {c[check]['slots']} slots, "
-                               f"period {c[check]['period_steps']} steps")
-                elif check == "replay":
-                    detail.add(f"every {c[check]['every']} steps, {c[check]['count']} replays")
+    reports = [c for r in rows for c in r["costs"]]
+    per_step, share = probe_costs.per_step(reports, check)
+    detail = set()
+    for c in reports:
+        if check == "state_check" and check in c:
+            detail.add(f"stride {c[check]['stride']}, {c[check]['slots']} slots, period {c[check]['period_steps']} steps")
+        elif check == "replay" and check in c:
+            detail.add(f"every {c[check]['every']} steps, {c[check]['count']} replays")
     if not per_step:
         return None, None, ""
     return median(per_step), median(share), "; ".join(sorted(detail)[:3])

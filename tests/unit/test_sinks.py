@@ -142,3 +142,22 @@ def test_summary_without_findings(tmp_path) -> None:
     text = path.read_text()
     assert "No findings." in text
     assert "Exit code: 0" in text
+
+
+def test_probe_cost_summary_line_gives_median_cost_per_check_over_ranks(tmp_path):
+    import json
+
+    from trainscout.sinks import probe_costs
+
+    for rank, state_s in enumerate((0.1, 0.3, 0.2)):
+        doc = {"rank": rank, "steps": 100, "step_wall_s": 10.0,
+               "state_check": {"seconds": state_s, "period_steps": 288 + rank},
+               "replay": {"seconds": 0.05}}
+        with open(probe_costs.report_path(str(tmp_path), rank), "w") as fh:
+            json.dump(doc, fh)
+    with open(probe_costs.report_path(str(tmp_path), 9), "w") as fh:
+        json.dump({"rank": 9, "steps": 1, "step_wall_s": 0.0}, fh)  # one step says nothing per step
+    line = probe_costs.summary_line(str(tmp_path))
+    assert line == ("trainscout's in-rank checks, median over 3 ranks: state check 2.000 ms/step (2.00 % of step "
+                    "time); replay 0.500 ms/step (0.50 % of step time); state coverage period 290 steps")
+    assert probe_costs.summary_line(str(tmp_path / "none")) == ""

@@ -289,7 +289,8 @@ class RankView:
             collectives=int(h["collectives"]), pgs=pgs, exit=exit_, cpu_percent=cpu,
             probe_errors=errors, fr_available=bool(int(h["fr_available"])),
             replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
-            replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period, state_slots=self.state_slots, replay_layers=self.replay_layers,
+            replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period,
+            state_slots=self.state_slots, replay_layers=self.replay_layers,
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

@@ -42,13 +42,13 @@ class Probe:
         self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
         self.publisher = Publisher(self.writer, run_id, rank, self.tap, lambda: self.step,
                                    tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.5")),
-                                   buffer_entries=_int_env("TORCH_FR_BUFFER_SIZE", 256))
+                                   buffer_entries=_env_number("TORCH_FR_BUFFER_SIZE", 256))
         self.tap.record_sync = self.publisher.record_sync
         self.state_check = None
         if os.environ.get("TRAINSCOUT_STATE_CHECK", "1") != "0":
             self.state_check = StateCheck(run_id, rank, self.publisher.append_locked,
-                                          budget=_float_env("TRAINSCOUT_STATE_BUDGET", 0.005),
-                                          period=_int_env("TRAINSCOUT_STATE_PERIOD", 0))
+                                          budget=_env_number("TRAINSCOUT_STATE_BUDGET", 0.005),
+                                          period=_env_number("TRAINSCOUT_STATE_PERIOD", 0))
         self.nonfinite = None
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
             self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error)
@@ -56,16 +56,16 @@ class Probe:
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
                                             lambda name: self.state_check.register(name, _world_group_name()),
-                                            period=_int_env("TRAINSCOUT_GATHER_PERIOD", 4))
+                                            period=_env_number("TRAINSCOUT_GATHER_PERIOD", 4))
             if self.injector is not None:
                 self.gather_check.before_check = self.injector.on_gathered
         self.param_names: dict[int, str] = {}
         self.model = None
         self.timing = StepTiming(self.publisher.append_locked)
-        self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self._ckpt_time)
+        self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self.timing.add_checkpoint)
         # 200: one replay cost ~20 ms of a demo rank's time (4 ranks on 2 cores, the broadcast waits for
         # the slowest replica), 0.45 % of step time at every 100 steps; 200 keeps it well inside 0.5 %
-        every = _int_env("TRAINSCOUT_REPLAY_EVERY", 200)
+        every = _env_number("TRAINSCOUT_REPLAY_EVERY", 200)
         self.replay = Replay(self.publisher.append_locked, every, rank) if every > 0 else None
         self._replay_group = None
         self._replay_request: tuple[int, int, str] | None = None  # (id, step, layer) from `trainscout replay`
@@ -168,7 +168,9 @@ class Probe:
         try:
             import json
 
-            with open(os.path.join(run_dir, f"probe-cost.rank{self.rank}.json"), "w") as fh:
+            from trainscout.sinks.probe_costs import report_path
+
+            with open(report_path(run_dir, self.rank), "w") as fh:
                 json.dump(self.costs(), fh)
         except Exception:
             pass  # a report, never a reason to fail at exit
@@ -218,9 +220,6 @@ class Probe:
             module.destroy_process_group = destroy_process_group
         except Exception as exc:
             self._error(f"torch.distributed patching failed: {exc!r}")
-
-    def _ckpt_time(self, wall_s: float, cpu_s: float) -> None:
-        self.timing.add_checkpoint(wall_s, cpu_s)
 
     def _guarded(self, fn, what: str):
         def run(module) -> None:
@@ -324,16 +323,10 @@ def _world_group_name() -> str:
     return dist.group.WORLD.group_name
 
 
-def _int_env(name: str, default: int) -> int:
+def _env_number(name: str, default):
+    """os.environ[name] as the type of `default` (int or float); the default when unset or malformed."""
     try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def _float_env(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
+        return type(default)(os.environ.get(name, default))
     except ValueError:
         return default
 

@@ -13,7 +13,7 @@ torch.autograd.grad, which leaves `.grad` untouched; parameters are only read.
 On CUDA a replay step synchronises the host with the GPU: the side group is gloo, so the source copies
 its captured input to host memory, the receivers copy it back, and the results are read on the host
 (one read for all fingerprints of a replay). Only replay steps do this (every TRAINSCOUT_REPLAY_EVERY
-steps, default 100); between them replay only keeps a reference to one layer's input, with no device work.
+steps, default 200, and on command); between them replay only keeps a reference to one layer's input, with no device work.
 """
 
 from __future__ import annotations

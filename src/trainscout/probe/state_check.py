@@ -49,7 +49,7 @@ class StateCheck:
         self.replay_layers: list[str] = []
         self.table: list[tuple[str, str | None]] = []  # tensor id -> (name, comparison group)
         self._ids: dict[str, int] = {}
-        self._meta: dict = {}
+        self._bytes = 0  # total bytes of the planned state
         self._device = None  # the CUDA path (device_state.DeviceStateHashes), made when CUDA state shows up
 
     def register(self, name: str, group: str | None = None) -> int:
@@ -63,7 +63,9 @@ class StateCheck:
 
     def _write_table(self) -> None:
         doc = {"replica_group": self.replica_group, "tensors": [n for n, _ in self.table],
-               "groups": [g for _, g in self.table], "replay_layers": self.replay_layers, **self._meta}
+               "groups": [g for _, g in self.table], "replay_layers": self.replay_layers,
+               "bytes": self._bytes, "slots": len(self._slots), "stride": self.stride,
+               "period_steps": self.period_steps, "budget": self.budget}
         path = tensor_table_path(self.run_id, self.rank)
         with open(path + ".tmp", "w") as fh:
             json.dump(doc, fh)
@@ -130,8 +132,6 @@ class StateCheck:
             stride //= 2
         if stride != self.stride:
             self.stride = stride
-            self._meta["stride"] = stride
-            self._meta["period_steps"] = stride * len(self._slots)
             self._write_table()
 
     def _emit(self, step: int, tid: int, start: int, end: int, digest: int) -> None:
@@ -195,6 +195,5 @@ class StateCheck:
             self._device = device_state.DeviceStateHashes()
         if self._device is not None:
             self._device.prepare(slots)  # compiles the kernel now, not on a later check step
-        self._meta = {"bytes": total, "slots": len(slots), "stride": self.stride,
-                      "period_steps": self.period_steps, "budget": self.budget}
+        self._bytes = total
         self._write_table()

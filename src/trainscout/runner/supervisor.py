@@ -21,7 +21,7 @@ from trainscout.channel.layout import list_channels, remove_run_files
 from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
 from trainscout.runner.launcher_log import worker_exits
-from trainscout.sinks import ConsoleSink, EventLog, write_summary
+from trainscout.sinks import ConsoleSink, EventLog, probe_costs, write_summary
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
 
@@ -255,7 +255,7 @@ class Supervisor:
             with open(path, "rb") as fh:
                 findings = [from_json(line) for line in fh if line.strip()]
         notes = list(self.notes)
-        cost = probe_cost_note(self.run_dir)
+        cost = probe_costs.summary_line(self.run_dir)
         if cost:
             notes.append(cost)
         write_summary(os.path.join(self.run_dir, "summary.md"), run_id=self.run_id, command=self.opts.command,
@@ -263,33 +263,3 @@ class Supervisor:
         n = len(findings)
         self.console.info(f"{n} finding{'s' if n != 1 else ''}; report: {os.path.join(self.run_dir, 'summary.md')}")
 
-
-def probe_cost_note(run_dir: str) -> str:
-    """One line on what the in-rank checks cost, from the probes' exit reports (median over ranks)."""
-    import glob
-    import json
-    import statistics
-
-    reports = []
-    for path in glob.glob(os.path.join(run_dir, "probe-cost.rank*.json")):
-        try:
-            with open(path) as fh:
-                reports.append(json.load(fh))
-        except (OSError, ValueError):
-            continue
-    reports = [r for r in reports if r.get("steps", 0) > 1 and r.get("step_wall_s", 0) > 0]
-    if not reports:
-        return ""
-    parts = []
-    for check in ("state_check", "nonfinite", "replay"):
-        shares = [r[check]["seconds"] / r["step_wall_s"] for r in reports if check in r]
-        per_step = [1000 * r[check]["seconds"] / r["steps"] for r in reports if check in r]
-        if shares:
-            parts.append(f"{check.replace('_', ' ')} {statistics.median(per_step):.3f} ms/step "
-                         f"({100 * statistics.median(shares):.2f} % of step time)")
-    periods = [r["state_check"]["period_steps"] for r in reports if "state_check" in r]
-    if periods:
-        parts.append(f"state coverage period {max(periods)} steps")
-    if not parts:
-        return ""
-    return f"trainscout's in-rank checks, median over {len(reports)} ranks: " + "; ".join(parts)

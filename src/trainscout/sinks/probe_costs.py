@@ -1,0 +1,57 @@
+"""What the in-rank checks cost: each probe writes a report at exit, the run summary and benchmarks read them.
+
+A report is `{"rank", "steps", "step_wall_s", <check>: {"seconds", ...}}` (see `Probe.costs`); the
+seconds are the training thread's time inside the check, compared against the rank's own step time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+
+CHECKS = ("state_check", "nonfinite", "replay")
+_NAME = "probe-cost.rank{}.json"
+
+
+def report_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, _NAME.format(rank))
+
+
+def read_reports(run_dir: str) -> list[dict]:
+    """Every rank's report that covers more than one step (others say nothing about per-step cost)."""
+    reports = []
+    for path in sorted(glob.glob(os.path.join(run_dir, _NAME.format("*")))):
+        try:
+            with open(path) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if doc.get("steps", 0) > 1 and doc.get("step_wall_s", 0) > 0:
+            reports.append(doc)
+    return reports
+
+
+def per_step(reports: list[dict], check: str) -> tuple[list[float], list[float]]:
+    """(ms per step, % of step time) of `check`, one value per report that ran it."""
+    ms = [1000 * r[check]["seconds"] / r["steps"] for r in reports if check in r]
+    share = [100 * r[check]["seconds"] / r["step_wall_s"] for r in reports if check in r]
+    return ms, share
+
+
+def summary_line(run_dir: str) -> str:
+    """One line for summary.md: each check's median cost over ranks and the state coverage period."""
+    reports = read_reports(run_dir)
+    parts = []
+    for check in CHECKS:
+        ms, share = per_step(reports, check)
+        if ms:
+            parts.append(f"{check.replace('_', ' ')} {statistics.median(ms):.3f} ms/step "
+                         f"({statistics.median(share):.2f} % of step time)")
+    periods = [r["state_check"]["period_steps"] for r in reports if "state_check" in r]
+    if periods:
+        parts.append(f"state coverage period {max(periods)} steps")
+    if not parts:
+        return ""
+    return f"trainscout's in-rank checks, median over {len(reports)} ranks: " + "; ".join(parts)
