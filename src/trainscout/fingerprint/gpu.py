@@ -367,14 +367,18 @@ def _enqueue(
 
 
 class PreparedRanges:
-    """Byte ranges of CUDA tensors hashed again and again (the replicated-state slots), with their launch
-    arguments worked out once: `enqueue(out)` then costs one raw kernel launch per range.
+    """Byte ranges of CUDA tensors hashed again and again (the replicated-state slots, the gathered
+    parameters of an FSDP unit), with their launch arguments worked out once: `enqueue(out)` then costs
+    one raw kernel launch per range.
 
-    out[i] receives the fingerprint of range i, as `fingerprint_range_cuda_async` would write it. The
-    tensors are kept referenced, so the raw addresses stay valid (a tensor replaced in the model is then
-    still the old storage: re-prepare when the state's layout changes). All ranges must be on one device.
-    Ranges this fast path cannot take (strided or unaligned views, over 4 GiB, before the kernel was
-    compiled, or after the raw launch path failed once) go through `_enqueue`, with the same value.
+    out[i] receives the fingerprint of range i, as `fingerprint_range_cuda_async` would write it. By
+    default the tensors given here are hashed and kept referenced, so their raw addresses stay valid (a
+    tensor replaced in the model is then still the old storage: re-prepare when the state's layout
+    changes). `enqueue(out, tensors)` hashes the same ranges of other tensors of the same sizes instead,
+    reading their addresses at that call: for storage that is freed and allocated again between calls
+    (FSDP's unsharded parameters). All ranges must be on one device. Ranges this fast path cannot take
+    (strided or unaligned views, over 4 GiB, a variant not compiled yet, or after the raw launch path
+    failed once) go through `_enqueue`, with the same value.
     """
 
     def __init__(self, items: list[tuple[torch.Tensor, int, int]], config: LaunchConfig = DEFAULT_CONFIG) -> None:
@@ -387,20 +391,21 @@ class PreparedRanges:
         self.config = config
         self.items = [(t, start, end) for t, start, end in items]
         self.nbytes = sum(end - start for _, start, end in items)
+        self._sizes = [t.numel() * t.element_size() for t, _, _ in self.items]
         self._plans: list[tuple | None] = []
         self.max_parts = 1
         sm = _sm_count(self.device.index) if self.device is not None else 1
-        for t, start, end in self.items:
-            cpu._check_range(t.numel() * t.element_size(), start, end)
+        for (t, start, end), size in zip(self.items, self._sizes):
+            cpu._check_range(size, start, end)
             self._plans.append(self._plan(t, start, end, sm))
 
     def _plan(self, t: torch.Tensor, start: int, end: int, sm: int) -> tuple | None:
+        """Launch arguments that do not depend on the tensor's address: (start, words, grid, ints, constexprs)."""
         nbytes = end - start
         n_words = nbytes // 4
         tail_bytes = nbytes - 4 * n_words
-        addr = t.data_ptr() + start
         word_base = start // 4
-        if not t.is_contiguous() or (n_words and addr % 4) or n_words > MAX_WORDS_PER_LAUNCH:
+        if not t.is_contiguous() or n_words > MAX_WORDS_PER_LAUNCH:
             return None
         if (word_base & cpu.M32) + n_words > (1 << 32) or word_base >> 32:
             return None  # more than one launch: the general path
@@ -412,10 +417,7 @@ class PreparedRanges:
         ints = (n_words, _i32(cpu.tweak_a(word_base)), _i32(cpu.tweak_b(word_base)), tail_bytes,
                 _i32(cpu.tweak_a(i_tail)), _i32(cpu.tweak_b(i_tail)), _i32(length), _i32(length >> 32))
         constexprs = (cfg.rows, cfg.cols, cfg.mulhi, tail_bytes > 0)
-        # w_addr None: no full word, the kernel gets the (16-byte aligned) scratch address instead
-        w_addr = addr if n_words else None
-        key = (self.device.type, self.device.index, (w_addr is None) or w_addr % 16 == 0, constexprs, cfg.num_warps)
-        return (w_addr, addr + 4 * n_words if tail_bytes else None, grid, key, ints, constexprs)
+        return (start, n_words, grid, ints, constexprs)
 
     def compile(self) -> None:
         """Compile (or load from Triton's cache) every kernel variant these ranges need, with one throwaway
@@ -425,23 +427,35 @@ class PreparedRanges:
         scratch_out = torch.empty(1, dtype=torch.int64, device=self.device)
         seen = set()
         with torch.cuda.device(self.device):
-            for i, plan in enumerate(self._plans):
-                if plan is not None and (plan[3] in _compiled or plan[3] in seen):
+            for (t, start, end), plan in zip(self.items, self._plans):
+                key = self._key(t.data_ptr(), plan) if plan is not None else None
+                if key is not None and (key in _compiled or key in seen):
                     continue
-                if plan is not None:
-                    seen.add(plan[3])
-                t, start, end = self.items[i]
+                seen.add(key)
                 _enqueue(_contiguous(t), start, end - start, start // 4, scratch_out, 0, self.config)
 
-    def enqueue(self, out: torch.Tensor) -> None:
-        """Enqueue every range's fingerprint into out[0..len-1] on the current stream; no host sync."""
+    def _key(self, base: int, plan: tuple) -> tuple | None:
+        """The compiled-kernel key of a planned range of a tensor at address `base`; None when the words
+        cannot be read in place (not 4-byte aligned)."""
+        start, n_words, _, _, constexprs = plan
+        w_addr = base + start
+        if n_words and w_addr % 4:
+            return None
+        return (self.device.type, self.device.index, (not n_words) or w_addr % 16 == 0, constexprs,
+                self.config.num_warps)
+
+    def enqueue(self, out: torch.Tensor, tensors: list[torch.Tensor] | None = None) -> None:
+        """Enqueue every range's fingerprint into out[0..len-1] on the current stream; no host sync.
+        tensors: hash these (contiguous, each the byte size of the prepared one) instead of the prepared."""
         if self.device is None:
             return
         if out.dtype != torch.int64 or out.device != self.device or out.numel() < len(self.items):
             raise ValueError("out must be an int64 tensor on the ranges' device with a slot per range")
+        if tensors is not None and len(tensors) != len(self.items):
+            raise ValueError(f"{len(tensors)} tensors for {len(self.items)} prepared ranges")
         if self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):
-                self.enqueue(out)
+                self.enqueue(out, tensors)
             return
         stream = _stream_handle(self.device)
         scratch = _scratch_for(self.device, stream, self.max_parts)
@@ -450,20 +464,27 @@ class PreparedRanges:
         part = sp + 4 * SCRATCH_HEAD
         optr = out.data_ptr()
         for i, plan in enumerate(self._plans):
-            kernel = _compiled.get(plan[3]) if plan is not None and _direct_ok[0] else None
+            t = self.items[i][0] if tensors is None else tensors[i]
+            if tensors is not None and (t.device != self.device or t.numel() * t.element_size() != self._sizes[i]):
+                raise ValueError(f"tensor {i} does not match the prepared range's device and size")
+            kernel = None
+            if plan is not None and _direct_ok[0] and (tensors is None or t.is_contiguous()):
+                base = t.data_ptr()
+                key = self._key(base, plan)
+                kernel = _compiled.get(key) if key is not None else None
             if kernel is not None:
-                w_addr, tail_addr, grid, _, ints, constexprs = plan
+                start, n_words, grid, ints, constexprs = plan
+                w_addr = base + start
                 try:
                     kernel[(grid, 1, 1)](
-                        sp if w_addr is None else w_addr, sp if tail_addr is None else tail_addr, part, sp, optr,
+                        w_addr if n_words else sp, w_addr + 4 * n_words if constexprs[3] else sp, part, sp, optr,
                         0, cap, grid, i, *ints, *constexprs, stream=stream,
                     )
                     continue
                 except Exception:  # Triton's internals moved: the general path from now on
                     _direct_ok[0] = False
-            t, start, end = self.items[i]
-            src = _contiguous(t)
-            _enqueue(src, start, end - start, start // 4, out, i, self.config)
+            _, start, end = self.items[i]
+            _enqueue(_contiguous(t), start, end - start, start // 4, out, i, self.config)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
