@@ -12,10 +12,13 @@ finiteness test, instead of a Python hook per gradient. With
 CUDA tensors are checked without a host sync, once per backward. The wrapper hooks the start of the
 backward pass and queues an engine callback from there; engine callbacks run in order at the end of the
 pass, and DDP queues the callback that copies the reduced buckets back into `.grad` only when its last
-bucket is ready, so ours runs first and reads the local gradients. It enqueues one fused L1 norm per
-gradient (`torch._foreach_norm`; NaN and Inf propagate into it) and the loss into one small device
-vector, copies that to pinned memory behind an event, and the vector is judged on a later step once the
-event has completed (`check_step`). With `gradient_as_bucket_view=True` DDP all-reduces the gradients in
+bucket is ready, so ours runs first and reads the local gradients. It launches one Triton kernel over
+the loss and all gradients (`nonfinite_cuda`: per chunk of a tensor, how many elements are NaN or Inf)
+into one small device vector, copies that to pinned memory behind an event, and the vector is judged on
+a later step once the event has completed (`check_step`). Where that kernel cannot run (no Triton, a
+strided gradient, another dtype, a gradient missing this step) the vector holds the loss and one fused
+L1 norm per gradient instead (`torch._foreach_norm`; NaN and Inf propagate into it), at ~10x the host
+time on a small model. With `gradient_as_bucket_view=True` DDP all-reduces the gradients in
 place while backward still runs, so there each gradient's norm is enqueued in its own post-accumulate-grad
 hook instead, which runs before DDP marks the gradient ready. Records carry the step the values belong to.
 """
@@ -52,6 +55,9 @@ class NonFiniteCheck:
         self._results = None  # DeviceResults(float32), made on first use
         self._armed: tuple | None = None  # (step, loss) of the backward pass in progress
         self._bucket_norms: list = []  # (name, norm) from per-gradient hooks (bucket-view DDP only)
+        self._layout = None  # nonfinite_cuda.Layout of [loss] + gradients, made on first use
+        self._counts_ok = True  # False once the counting kernel failed: the foreach-norm path from then on
+        self.counts_error = ""
         self.device_checks = 0  # vectors submitted
         self.spent_s = 0.0  # host time of the CUDA path (arm, end-of-backward launch, judging)
 
@@ -228,7 +234,10 @@ class NonFiniteCheck:
                 if any(g is None for g in grads):
                     kept = [(n, g) for n, g in zip(names, grads) if g is not None]
                     grads, names = [g for _, g in kept], [n for n, _ in kept]
-                self._submit(step, loss, grads, tuple(names))
+                elif self._counts_ok and self._submit_counts(step, loss, grads):
+                    grads = None
+                if grads is not None:
+                    self._submit(step, loss, grads, tuple(names))
         except Exception as exc:  # never raise into the autograd engine
             self._disable(exc)
         self.spent_s += time.perf_counter() - t0
@@ -269,9 +278,60 @@ class NonFiniteCheck:
         self._results.submit(slot, len(parts), (step, names))
         self.device_checks += 1
 
+    def _submit_counts(self, step: int, loss, grads: list) -> bool:
+        """The counting kernel over [loss] + grads (see nonfinite_cuda); False when it cannot take them
+        this step (the caller then uses the foreach-norm path)."""
+        try:
+            from trainscout.probe import nonfinite_cuda
+
+            ptrs = [loss.data_ptr()]
+            for g in grads:
+                if not g.is_contiguous():
+                    return False
+                ptrs.append(g.data_ptr())
+            layout = self._layout
+            if layout is None or not layout.matches([loss] + grads):
+                if not nonfinite_cuda.usable([loss] + grads):
+                    return False
+                layout = self._layout = nonfinite_cuda.Layout([loss] + grads)
+            if self._results is None:
+                import torch
+
+                from trainscout.probe.device_results import DeviceResults
+
+                self._results = DeviceResults(torch.float32, depth=8)
+            slot = self._results.take(loss.device, layout.n_out)
+            if slot is None:
+                return True  # the GPU is far behind: skip this check rather than wait
+            try:
+                nonfinite_cuda.enqueue(layout, ptrs, slot.device, slot)
+            except Exception:
+                self._results.give_back(slot)
+                raise
+            self._results.submit(slot, layout.n_out, (step, self._device_names, layout.owner))
+            self.device_checks += 1
+            return True
+        except Exception as exc:  # the norm path still works: use it from now on
+            self._counts_ok = False
+            self.counts_error = repr(exc)[:200]
+            return False
+
     def _judge(self, payload, values) -> None:
-        """values: [loss, |g_1|_1, ...] as they came back from the device (numpy array or list)."""
-        step, names = payload
+        """values: [loss, |g_1|_1, ...] as they came back from the device (numpy array or list); or, with
+        a third payload entry (owner: value index -> 0 for the loss, i for gradient i), counts of
+        non-finite elements per chunk."""
+        step, names = payload[0], payload[1]
+        if len(payload) > 2:
+            bad = np.flatnonzero(np.asarray(values))
+            if not bad.size:
+                return
+            owners = payload[2][bad]
+            if (owners == 0).any():
+                self._report_at(step, "loss", "")
+            grads = owners[owners > 0]
+            if grads.size:
+                self._report_at(step, "grad", names[int(grads.min()) - 1])
+            return
         if np.isfinite(values).all():
             return
         values = [float(v) for v in values]
