@@ -7,25 +7,55 @@ rotation over modules (the same on every rank), the gathered parameters are fing
 like replicated-state fingerprints, with the default group as the class of receivers: with one or
 two mesh dimensions every rank gathers the same full parameter. A receiver whose gathered copy
 differs from a strict majority is named.
+
+Schedule: module i belongs to group i mod G (G = the period made odd); step s checks group s mod G, on
+steps that are a multiple of a power-of-two stride. Replicas need not agree on the stride: the group
+depends only on the step, and with G odd the multiples of any power-of-two stride visit every group.
+
+CUDA parameters are hashed without a host sync: in the pre-hook, on the training stream (which FSDP has
+just made wait for the all-gather), one Triton launch per parameter writes into a device vector that is
+copied to pinned memory behind an event (`DeviceResults`); the records are published on a later step,
+carrying the step they were taken at. The launches are prepared once per module (`PreparedRanges`) and
+rebound each time to the parameters' current storage, which FSDP frees and allocates again around every
+gather. The stride keeps the cost (host time of the launches plus the bytes at an assumed 1 TB/s) within
+`budget` of the step time, like the replicated-state check. CPU parameters (gloo) are hashed at once,
+on every step of their group (stride 1).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import time
 
 from trainscout.probe.state_check import STATE_PG_INDEX
 
+_MAX_STRIDE = 1 << 10
+DEVICE_BYTES_PER_S = 1.0e12  # as the state check: H200 reads ~3.5 TB/s, a third of that is safe
+
 
 class GatherCheck:
-    def __init__(self, append, get_step, register_tensor, period: int = 4) -> None:
+    def __init__(self, append, get_step, register_tensor, period: int = 4, budget: float = 0.005) -> None:
         self.append = append
         self.get_step = get_step
         self.register_tensor = register_tensor  # name -> tensor id in the shared tensor table
         self.period = max(1, period)
+        self.groups = self.period | 1  # odd: every power-of-two stride reaches every group
+        self.budget = budget
+        self.stride = 1
         self.modules = 0
         self.spent_s = 0.0
+        self.checked_bytes = 0
         self.before_check = None  # fault injection point: (module, step) -> None, between gather and check
+        self._results = None  # DeviceResults(int64), made on the first CUDA check
+        self._last = (0, 0.0)  # (step, perf_counter) when a pre-hook first saw that step
+        self._wall_s = 0.0  # smoothed seconds per step
+        self._step_cost = 0.0  # this step's cost so far (host seconds + charged device seconds)
+        self._cost_s = 0.0  # smoothed cost per checked step
+        self._compiled_now = False
+        self.published = 0
+        self.error = ""
 
     def wrap(self, module) -> None:
         real = module.fully_shard
@@ -45,36 +75,195 @@ class GatherCheck:
     def watch(self, mod) -> None:
         index = self.modules
         self.modules += 1
-        label = f"gathered[{index}]{type(mod).__name__}"
+        unit = _Unit(index, f"gathered[{index}]{type(mod).__name__}")
 
         def pre_forward(m, args):
+            if not m.training:
+                return
             step = self.get_step() + 1  # the step being computed
-            if step % self.period != index % self.period or not m.training:
+            if step != self._last[0]:
+                self._new_step(step)
+            if step % self.stride or step % self.groups != index % self.groups:
                 return
             if self.before_check is not None:
                 self.before_check(m, step)
             t0 = time.perf_counter()
-            from trainscout.fingerprint import fingerprint
-
-            for pname, p in _own_parameters(m):
-                if type(p).__name__ == "DTensor":
-                    continue  # still sharded: not gathered here
-                name = f"{label}.{pname}"
-                size = p.numel() * p.element_size()
-                self.append(STATE_PG_INDEX, self.register_tensor(name), fingerprint(p.detach()), 0,
-                            time.time_ns(), step, "state", f"0:{size}")
-            self.spent_s += time.perf_counter() - t0
+            try:
+                device_bytes = self._check(m, unit, step)
+            except Exception as exc:  # fail open: stop checking this unit, say why once
+                unit.off = True
+                self.error = self.error or f"all-gather check of {unit.label} off: {exc!r}"[:300]
+                return
+            cost = time.perf_counter() - t0
+            self.spent_s += cost
+            # a unit's first check registers its names, and a check that compiled a kernel variant (~0.5 s,
+            # once per process) is not a steady cost either: neither may set the stride
+            if unit.checks > 1 and not self._compiled_now:
+                self._step_cost += cost + device_bytes / DEVICE_BYTES_PER_S
+            self._compiled_now = False
 
         mod.register_forward_pre_hook(pre_forward)
 
+    # ---------------------------------------------------------------- schedule and budget
 
-def _own_parameters(module):
-    """Parameters this FSDP unit gathers: its own and those of children that are not FSDP units."""
-    for name, child in [("", module)] + [(n, c) for n, c in module.named_children()]:
-        if child is not module and type(child).__name__.startswith("FSDP"):
-            continue
-        if child is module:
-            yield from module.named_parameters(recurse=False)
-        else:
-            for pname, p in child.named_parameters():
-                yield f"{name}.{pname}", p
+    def _new_step(self, step: int) -> None:
+        """The first pre-hook of a step: publish landed CUDA results, smooth the step time and the last
+        checked step's cost, adapt the stride."""
+        now = time.perf_counter()
+        last_step, last_t = self._last
+        self._last = (step, now)
+        if self._results is not None:
+            t0 = time.perf_counter()
+            self.publish()
+            self.spent_s += time.perf_counter() - t0
+        if last_step and step > last_step:
+            wall = (now - last_t) / (step - last_step)
+            self._wall_s = wall if not self._wall_s else 0.9 * self._wall_s + 0.1 * wall
+        if self._step_cost:
+            # one slow sample (a GC pause, a page fault) moves the estimate by at most 4x the usual cost
+            sample = min(self._step_cost, 4 * self._cost_s) if self._cost_s else self._step_cost
+            self._cost_s = sample if not self._cost_s else 0.8 * self._cost_s + 0.2 * sample
+            self._step_cost = 0.0
+            self._adapt_stride()
+
+    def _adapt_stride(self) -> None:
+        """As the state check: cost per checked step / stride at most half the budget x step time."""
+        if self._results is None or self._wall_s <= 0 or self.budget <= 0:
+            return  # CPU parameters only: every step of the group
+        need = self._cost_s / (self.budget * self._wall_s)
+        stride = self.stride
+        while stride < 2 * need and stride < _MAX_STRIDE:
+            stride *= 2
+        while stride > 1 and 8 * need < stride:
+            stride //= 2
+        self.stride = stride
+
+    # ---------------------------------------------------------------- the check
+
+    def _check(self, m, unit: _Unit, step: int) -> int:
+        """Fingerprint the unit's gathered parameters; returns the CUDA bytes enqueued."""
+        if unit.off:
+            return 0
+        unit.checks += 1
+        if unit.params is None:
+            unit.params = [(sub, pname, f"{unit.label}.{full}") for full, sub, pname in _own_parameters(m)
+                           if sub._parameters[pname] is not None]
+        params, tids = [], []
+        for sub, pname, name in unit.params:
+            p = sub._parameters.get(pname)
+            if p is None or type(p).__name__ == "DTensor":
+                continue  # still sharded: not gathered here
+            params.append(p)
+            tids.append(unit.tid(name, self.register_tensor))
+        cuda = [i for i, p in enumerate(params) if p.is_cuda]
+        if len(cuda) < len(params):  # CPU parameters (or a mix): hashed now, on the host
+            from trainscout.fingerprint import fingerprint
+
+            for i, p in enumerate(params):
+                if p.is_cuda:
+                    continue
+                size = p.numel() * p.element_size()
+                self.append(STATE_PG_INDEX, tids[i], fingerprint(p.detach()), 0, time.time_ns(), step, "state",
+                            f"0:{size}")
+                self.checked_bytes += size
+        if not cuda:
+            return 0
+        return self._launch(unit, [params[i] for i in cuda], [tids[i] for i in cuda], step)
+
+    def _launch(self, unit: _Unit, params: list, tids: list, step: int) -> int:
+        import torch
+
+        from trainscout.fingerprint import gpu
+
+        if not gpu.HAVE_TRITON:
+            raise RuntimeError("the CUDA all-gather check needs Triton")
+        key = tuple(tids)
+        if unit.prepared is None or unit.prepared_key != key or unit.prepared.device != params[0].device:
+            unit.prepared = gpu.PreparedRanges([(p.detach(), 0, p.numel() * p.element_size()) for p in params])
+            unit.prepared.items = [(None, s, e) for _, s, e in unit.prepared.items]  # keep no tensor alive
+            unit.prepared_key = key
+            unit.meta = [(tid, 0, p.numel() * p.element_size()) for tid, p in zip(tids, params)]
+        if self._results is None:
+            from trainscout.probe.device_results import DeviceResults
+
+            self._results = DeviceResults(torch.int64, depth=32)
+            # publish what is still in flight at exit; registered after the probe's own exit handlers,
+            # so (atexit is LIFO) it runs before them and before the exit record
+            atexit.register(self._at_exit, os.getpid())
+        slot = self._results.take(unit.prepared.device, len(params))
+        if slot is None:
+            return 0  # the GPU is far behind: skip (counted as dropped), never wait
+        variants = len(gpu._compiled)
+        try:
+            unit.prepared.enqueue(slot.device, params)
+        except Exception:
+            self._results.give_back(slot)
+            raise
+        self._compiled_now = len(gpu._compiled) != variants
+        self._results.submit(slot, len(params), (step, unit.meta))
+        self.checked_bytes += unit.prepared.nbytes
+        return unit.prepared.nbytes
+
+    def publish(self) -> int:
+        """Append the records of every landed CUDA result, in order; never waits."""
+        return self._emit(self._results.ready()) if self._results is not None else 0
+
+    def flush(self, timeout_s: float = 1.0) -> int:
+        """Exit paths only: wait up to timeout_s for results still in flight."""
+        return self._emit(self._results.wait(timeout_s)) if self._results is not None else 0
+
+    def _at_exit(self, pid: int) -> None:
+        if os.getpid() == pid:  # not in a forked child
+            try:
+                self.flush()
+            except Exception:
+                pass
+
+    def _emit(self, landed) -> int:
+        from trainscout.fingerprint.cpu import as_unsigned64
+
+        n = 0
+        for (step, meta), values in landed:
+            for (tid, start, end), v in zip(meta, values):
+                self.append(STATE_PG_INDEX, tid, as_unsigned64(int(v)), start, time.time_ns(), step, "state",
+                            f"{start}:{end}")
+                n += 1
+        self.published += n
+        return n
+
+    @property
+    def dropped(self) -> int:
+        return self._results.inflight.dropped if self._results is not None else 0
+
+
+class _Unit:
+    """One FSDP unit's cached check state: where its parameters live, their tensor ids, prepared launches."""
+
+    __slots__ = ("index", "label", "params", "tids", "prepared", "prepared_key", "meta", "checks", "off")
+
+    def __init__(self, index: int, label: str) -> None:
+        self.index = index
+        self.label = label
+        self.params = None  # [(submodule, parameter name, full name)]
+        self.tids: dict[str, int] = {}
+        self.prepared = None
+        self.prepared_key = None
+        self.meta = None
+        self.checks = 0
+        self.off = False
+
+    def tid(self, name: str, register) -> int:
+        tid = self.tids.get(name)
+        if tid is None:
+            tid = self.tids[name] = register(name)
+        return tid
+
+
+def _own_parameters(module, prefix: str = ""):
+    """(full name, owning submodule, name there) of the parameters this FSDP unit gathers: its own and
+    those of descendants that are not FSDP units themselves (nor inside one)."""
+    for pname in list(module._parameters):
+        yield prefix + pname, module, pname
+    for name, child in module.named_children():
+        if not type(child).__name__.startswith("FSDP"):
+            yield from _own_parameters(child, f"{prefix}{name}.")
