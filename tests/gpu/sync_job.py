@@ -1,4 +1,4 @@
-"""A small DDP language-model job that counts host-device synchronisations in its steady state.
+"""A small DDP (or FSDP2) language-model job that counts host-device synchronisations in its steady state.
 
 After `--warmup` steps it arms `torch.cuda.set_sync_debug_mode("warn")` and records every warning it
 raises, with the Python file and line that made the synchronising call, over `--steps` more steps in
@@ -7,7 +7,7 @@ one `.item()` on the training thread and one inside an autograd hook (which runs
 must each be recorded. Each rank writes what it saw, and what the trainscout probe in it did meanwhile
 (when one is attached), to `--out` with `{rank}` replaced.
 
-    torchrun --nproc-per-node 2 tests/gpu/sync_job.py --out /tmp/sync-{rank}.json
+    torchrun --nproc-per-node 2 tests/gpu/sync_job.py --out /tmp/sync-{rank}.json [--fsdp]
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ def _probe_stats() -> dict:
     probe = getattr(mod, "_probe", None)
     if probe is None:
         return {"attached": False}
-    sc, nf = probe.state_check, probe.nonfinite
+    sc, nf, gc = probe.state_check, probe.nonfinite, probe.gather_check
     dev = getattr(sc, "_device", None) if sc is not None else None
     nf_results = getattr(nf, "_results", None) if nf is not None else None
+    gc_results = getattr(gc, "_results", None) if gc is not None else None
     return {
         "attached": True,
         "step": probe.step,
@@ -70,6 +71,12 @@ def _probe_stats() -> dict:
         "nonfinite_device_checks": getattr(nf, "device_checks", None),
         "nonfinite_completed": nf_results.inflight.completed if nf_results is not None else None,
         "nonfinite_device_ok": getattr(nf, "_device_ok", None),
+        "nonfinite_counts_error": getattr(nf, "counts_error", None),
+        "gather_submitted": gc_results.inflight.submitted if gc_results is not None else None,
+        "gather_dropped": gc_results.inflight.dropped if gc_results is not None else None,
+        "gather_published": getattr(gc, "published", None),
+        "gather_stride": getattr(gc, "stride", None),
+        "gather_error": getattr(gc, "error", None),
         "replays": probe.replay.count if probe.replay is not None else None,
         "error_text": bytes(probe.writer.header["error_text"]).rstrip(b"\0").decode(errors="replace"),
     }
@@ -84,6 +91,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block and the root) instead of DDP")
     args = ap.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -91,7 +99,15 @@ def main() -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank)
     torch.manual_seed(0)
-    model = DistributedDataParallel(TinyLM().to(device), device_ids=[local_rank])
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        model = TinyLM().to(device)
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = DistributedDataParallel(TinyLM().to(device), device_ids=[local_rank])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator(device=device).manual_seed(rank)
 

@@ -115,3 +115,73 @@ def test_nonfinite_on_cuda_names_the_gradient_and_the_step(cuda, bucket_views):
     assert all(r[0] == NONFINITE_PG_INDEX for r in records)
     assert found[0] == (7, "grad", "grad 1.weight")
     assert [f[:2] for f in found[1:]] == [(12, "loss"), (12, "grad")]
+
+
+def test_prepared_ranges_rebound_to_new_storage_equal_the_cpu_reference(gen, cuda):
+    """The all-gather check prepares a unit's launches once and hashes the parameters' current storage,
+    which FSDP frees and allocates again around every gather."""
+    shapes = [(1000, 37), (4099,), (3,), (1 << 20,)]
+    first = [torch.randn(s, generator=gen, device=cuda) for s in shapes]
+    prepared = gpu.PreparedRanges([(t, 0, t.numel() * 4) for t in first])
+    prepared.items = [(None, s, e) for _, s, e in prepared.items]  # as the gather check keeps them: no tensors
+    for round_ in range(3):
+        fresh = [torch.randn(s, generator=gen, device=cuda) for s in shapes]
+        if round_ == 2:  # a storage at an address that is 4- but not 16-byte aligned
+            fresh[1] = torch.randn(4100, generator=gen, device=cuda)[1:]
+        out = torch.zeros(len(fresh), dtype=torch.int64, device=cuda)
+        prepared.enqueue(out, fresh)
+        assert [cpu.as_unsigned64(v) for v in out.tolist()] == [cpu.fingerprint_tensor(t.cpu()) for t in fresh]
+    with pytest.raises(ValueError):
+        prepared.enqueue(out, [torch.zeros(5, device=cuda)] * len(shapes))  # sizes differ
+
+
+def test_nonfinite_counting_kernel_counts_each_tensor(gen, cuda):
+    from trainscout.probe import nonfinite_cuda
+
+    big = nonfinite_cuda.CHUNK + nonfinite_cuda.BLOCK + 3  # two items, the second with a ragged tail
+    for trial in range(3):
+        base = torch.randn(100, generator=gen, device=cuda)
+        tensors = [torch.randn((), generator=gen, device=cuda), torch.randn(big, generator=gen, device=cuda),
+                   torch.randn(64, 33, generator=gen, device=cuda).to(torch.bfloat16),
+                   torch.randn(17, generator=gen, device=cuda).half(), torch.randn(9, generator=gen, device=cuda).double(),
+                   base[1:50] if trial == 2 else base[:49]]  # trial 2: an address not 16-byte aligned
+        for t in tensors:
+            flat = t.view(-1)
+            picks = torch.randint(0, flat.numel(), (trial,), generator=gen, device=cuda)
+            for k, i in enumerate(picks.tolist()):
+                flat[i] = (float("nan"), float("inf"), -float("inf"))[k % 3]
+        layout = nonfinite_cuda.Layout(tensors)
+        slot = types.SimpleNamespace(aux=None)
+        out = torch.full((layout.n_out + 2,), -7.0, device=cuda)  # poisoned: every item must be written
+        for _ in range(2):  # the first launch compiles, the second launches raw
+            out[: layout.n_out] = -7.0
+            nonfinite_cuda.enqueue(layout, [t.data_ptr() for t in tensors], out, slot)
+            got = out.cpu().numpy()
+            per = [float(got[:layout.n_out][layout.owner == i].sum()) for i in range(len(tensors))]
+            want = [float((~torch.isfinite(t.float())).sum()) for t in tensors]
+            assert per == want and list(got[layout.n_out:]) == [-7.0, -7.0], (trial, per, want)
+
+
+def test_gather_check_on_cuda_publishes_the_cpu_fingerprint_of_each_gathered_parameter(cuda, gen):
+    from trainscout.probe.gather_check import GatherCheck
+
+    records, table = [], {}
+    state = {"step": 0}
+    check = GatherCheck(lambda *rec: records.append(rec), lambda: state["step"],
+                        lambda name: table.setdefault(name, len(table)), period=1, budget=0)
+    model = _model(cuda)
+    check.watch(model)
+    expected = {}
+    for step in range(1, 8):
+        # as FSDP does around every gather: the full parameters live in new storage each step
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                mod._parameters[name] = nn.Parameter(torch.randn(p.shape, generator=gen, device=cuda))
+        model(torch.randint(0, 256, (2, 8), device=cuda, generator=gen))
+        for name, p in model.named_parameters():
+            expected[(step, table[f"gathered[0]Sequential.{name}"])] = cpu.fingerprint_tensor(p.detach().cpu())
+        state["step"] = step
+    check.flush(timeout_s=10)
+    got = {(r[5], r[1]): r[2] for r in records}
+    assert all(r[0] == STATE_PG_INDEX and r[6] == "state" for r in records)
+    assert got == expected and check.error == "" and check.dropped == 0

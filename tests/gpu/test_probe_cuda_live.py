@@ -62,12 +62,34 @@ def test_steady_state_steps_cause_no_host_sync_from_trainscout(tmp_path):
         assert any("sync_job.py" in line for line in report["control"]), report
         # the probe was attached and its checks ran on CUDA during the window, with no error
         assert after["attached"] and after["state_check"] and after["error_text"] == "", report
-        assert after["nonfinite_device_ok"], report
+        assert after["nonfinite_device_ok"] and after["nonfinite_counts_error"] == "", report
         assert after["nonfinite_device_checks"] - before["nonfinite_device_checks"] >= 60, report
         assert after["state_submitted"] > before["state_submitted"], report
         assert after["state_published"] > before["state_published"], report
         assert after["replays"] in (0, None), report
         # and nothing synchronised
+        assert report["steady"] == [], report
+
+
+@pytest.mark.skipif(NPROC < 1, reason="needs a CUDA device")
+def test_fsdp2_steady_state_steps_cause_no_host_sync_from_trainscout(tmp_path):
+    """FSDP2: the all-gather check hashes gathered parameters on the training stream and reads them back
+    later; with the non-finite loss check that is all the probe does on CUDA there."""
+    out = tmp_path / "sync-{rank}.json"
+    done, findings = _trainscout(tmp_path, "sync-fsdp", HERE / "sync_job.py",
+                                 ["--warmup", "20", "--steps", "60", "--out", str(out), "--fsdp"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert findings == []
+    for rank in range(NPROC):
+        report = json.loads(Path(str(out).replace("{rank}", str(rank))).read_text())
+        before, after = report["before"], report["after"]
+        assert len(report["control"]) >= 2, report
+        assert after["attached"] and after["error_text"] == "" and after["gather_error"] == "", report
+        # the gather check ran on CUDA in the window: results submitted and published, none dropped
+        assert after["gather_submitted"] > (before["gather_submitted"] or 0), report
+        assert after["gather_published"] > before["gather_published"], report
+        assert after["gather_dropped"] == 0, report
+        assert after["nonfinite_device_checks"] - before["nonfinite_device_checks"] >= 60, report
         assert report["steady"] == [], report
 
 
