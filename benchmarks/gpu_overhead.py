@@ -165,6 +165,11 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         ts = stats.get((w, "trainscout"), {})
         if ts.get("findings"):
             lines += ["", f"trainscout findings on these healthy runs: {ts['findings']}"]
+        probes = [r["ranks"]["0"].get("trainscout") for r in rows if r["workload"] == w
+                  and r["side"] == "trainscout" and "0" in r["ranks"]]
+        for p in probes:
+            if p:
+                lines += ["", f"trainscout probe, rank 0, at the end of a run: {json.dumps(p, sort_keys=True)}"]
         lines.append("")
     failures = [r for r in rows if r["rc"] != 0 or len(r["ranks"]) < 2]
     for r in failures:
@@ -177,7 +182,8 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
     """In one process on one GPU (a 1-rank DDP job), alternate blocks of steps with the probe's two per-step
     CUDA checks off / on, in place: the step-time difference without run-to-run noise, and the host time
     the checks themselves spend per step. Covers the non-finite and replicated-state checks only (not the
-    step hook, the Flight Recorder or the probe's background thread)."""
+    step hook, the Flight Recorder or the probe's background thread). "nonfinite-norms" is the non-finite
+    check forced onto its fallback (one foreach L1 norm per gradient) instead of the counting kernel."""
     import types
 
     import torch
@@ -217,9 +223,10 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
     sc = StateCheck("cost", 0, lambda *r: records.append(r))
     sc.learn_model(model, "pg0")
     gen = torch.Generator(device=device).manual_seed(0)
-    modes = ("off", "nonfinite", "state", "both")
+    modes = ("off", "nonfinite", "nonfinite-norms", "state", "both")
     times: dict[str, list[float]] = {m: [] for m in modes}
     host: dict[str, list[float]] = {m: [] for m in modes}
+    charged: dict[str, list[float]] = {m: [] for m in modes}  # the state check's own budgeted time
     last_wall = [0.0]
 
     def one_step(mode: str, timed: bool) -> None:
@@ -231,27 +238,30 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
             logits = ddp(data[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, gw.VOCAB), data[:, 1:].reshape(-1))
         h0 = nf.spent_s
-        (autograd.backward if mode in ("nonfinite", "both") else torch.autograd.backward)(loss)
+        nf._counts_ok = mode != "nonfinite-norms"
+        checked = mode in ("nonfinite", "nonfinite-norms", "both")
+        (autograd.backward if checked else torch.autograd.backward)(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_no["n"] += 1
-        h1 = time.perf_counter()
-        if mode in ("nonfinite", "both"):
+        if checked:
             nf.check_step()
+        h2, c0 = time.perf_counter(), sc.spent_s
         if mode in ("state", "both"):
             sc.after_step(opt, step_no["n"], last_wall[0])
-        spent = (nf.spent_s - h0) + (time.perf_counter() - h1 if mode in ("state", "both") else 0.0)
+        spent = (nf.spent_s - h0) + (time.perf_counter() - h2 if mode in ("state", "both") else 0.0)
         end.record()
         last_wall[0] = time.perf_counter() - t0
         if timed:
             pending.append((mode, start, end))
             host[mode].append(spent * 1e6)
+            charged[mode].append((sc.spent_s - c0) * 1e6)
 
     pending: list = []
     for _ in range(20):
         one_step("both", False)
     for b in range(blocks):
-        for mode in modes[b % 4:] + modes[: b % 4]:
+        for mode in modes[b % len(modes):] + modes[: b % len(modes)]:
             for _ in range(block_steps):
                 one_step(mode, True)
     torch.cuda.synchronize()
@@ -259,12 +269,15 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
         times[mode].append(start.elapsed_time(end))
     base = statistics.median(times["off"])
     lines = [f"### probe check cost in place: workload {workload} ({WORKLOADS[workload]['label']}), 1-rank DDP",
-             "", f"{blocks} rounds x 4 modes x {block_steps} steps, modes interleaved; state-check stride at end: "
-             f"{sc.stride}, slots {len(sc._slots)}; non-finite vectors submitted {nf.device_checks}, records {len(records)}",
-             "", "| checks on | median step ms | vs off | mean host us per step in the checks |", "| --- | --- | --- | --- |"]
+             "", f"{blocks} rounds x {len(modes)} modes x {block_steps} steps, modes interleaved; state-check stride "
+             f"at end: {sc.stride}, slots {len(sc._slots)}; non-finite vectors submitted {nf.device_checks}, "
+             f"records {len(records)}, counting-kernel error: {nf.counts_error or 'none'}",
+             "", "| checks on | median step ms | vs off | p95 step ms | mean host us per step in the checks "
+             "| of which the state check's budgeted part |", "| --- | --- | --- | --- | --- | --- |"]
     for m in modes:
         med = statistics.median(times[m])
-        lines.append(f"| {m} | {med:.3f} | {med / base - 1:+.2%} | {statistics.mean(host[m]):.1f} |")
+        lines.append(f"| {m} | {med:.3f} | {med / base - 1:+.2%} | {_pct(times[m], 0.95):.3f} "
+                     f"| {statistics.mean(host[m]):.1f} | {statistics.mean(charged[m]):.1f} |")
     dist.destroy_process_group()
     return "\n".join(lines) + "\n"
 

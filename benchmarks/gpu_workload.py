@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -70,6 +71,33 @@ def _memory_kb() -> dict[str, int]:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(value.split()[0])
+    return out
+
+
+def _probe_stats() -> dict | None:
+    """What trainscout's probe in this process did (when `trainscout run` attached one): proof that its
+    checks ran during the timed steps, for the benchmark's raw rows."""
+    probe = getattr(sys.modules.get("trainscout.probe.probe"), "_probe", None)
+    if probe is None:
+        return None
+    out: dict = {"step": probe.step}
+    try:
+        out["error_text"] = bytes(probe.writer.header["error_text"]).rstrip(b"\0").decode(errors="replace")
+    except Exception:
+        pass
+    nf, sc, gc = probe.nonfinite, probe.state_check, probe.gather_check
+    if nf is not None:
+        out["nonfinite"] = {"device_checks": nf.device_checks, "counts_error": getattr(nf, "counts_error", None),
+                            "spent_s": nf.spent_s}
+    if sc is not None:
+        dev = getattr(sc, "_device", None)
+        out["state"] = {"stride": sc.stride, "spent_s": sc.spent_s,
+                        "published": dev.published if dev is not None else None}
+    if gc is not None and gc.modules:
+        results = getattr(gc, "_results", None)
+        out["gather"] = {"modules": gc.modules, "stride": gc.stride, "spent_s": gc.spent_s,
+                         "submitted": results.inflight.submitted if results is not None else 0,
+                         "dropped": gc.dropped, "published": gc.published, "error": gc.error}
     return out
 
 
@@ -144,6 +172,7 @@ def main() -> None:
         "max_memory_reserved": torch.cuda.max_memory_reserved(device),
         "params": sum(p.numel() for p in model.parameters()),
         **_memory_kb(),
+        "trainscout": _probe_stats(),
     }
     if args.timing_file:
         with open(args.timing_file.replace("{rank}", str(rank)), "w") as fh:
