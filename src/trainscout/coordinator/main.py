@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.exits import ExitDetector
+from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
 from trainscout.detectors.nonfinite import NonFiniteDetector
 from trainscout.detectors.state import ReplicaStateDetector, verified_window
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector, Suspect
 from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors.straggler import StragglerDetector
+from trainscout.findings import HPZ_RACE
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
 from trainscout.wire.endpoints import CoordinatorEndpoint
@@ -40,7 +42,7 @@ from trainscout.wire.messages import (
 )
 
 ROOT_KINDS = {HANG, DESYNC, CRASH, EARLY_EXIT, STALL}
-INTEGRITY_KINDS = {SDC, NONFINITE, HEALTH}
+INTEGRITY_KINDS = {SDC, NONFINITE, HEALTH, HPZ_RACE}
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Coordinator:
         self.desync = DesyncDetector()
         self.exits = ExitDetector(blocked_s=hang_timeout_s)
         self.state = ReplicaStateDetector()
+        self.hpz = HpzRaceDetector()
         self.nonfinite = NonFiniteDetector()
         self.replay = ReplayDetector()
         self.straggler = StragglerDetector()
@@ -115,7 +118,10 @@ class Coordinator:
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
                 self.rank_node[st.rank] = identity
                 if st.state:
-                    self.state.add(st.rank, st.replica_group, st.state, now)
+                    hpz = [r for r in st.state if is_hpz_record(r)]  # forward/backward weights (hpZ check)
+                    if hpz:
+                        self.hpz.add(st.rank, hpz, now)
+                    self.state.add(st.rank, st.replica_group, [r for r in st.state if not is_hpz_record(r)], now)
                 if st.replays:
                     self.replay.add(st.rank, st.replays, now)
                 if st.steps:
@@ -165,6 +171,7 @@ class Coordinator:
         live = {r for r, o in seen.items() if o.state.alive}
         replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
         for f in (self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks)
+                  + self.hpz.update(now, live)
                   + self.replay.update(now, replicas) + self.straggler.update(now, live)):
             self.emit(f, now)
         if self.root_found:

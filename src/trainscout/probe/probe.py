@@ -18,6 +18,8 @@ from trainscout.probe import exits
 from trainscout.probe.checkpoints import CheckpointHooks
 from trainscout.probe.collectives import CollectiveTap
 from trainscout.probe.gather_check import GatherCheck
+from trainscout.probe import hpz_fix
+from trainscout.probe.hpz_check import HpzCheck
 from trainscout.probe.import_hooks import hooks
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
@@ -59,6 +61,13 @@ class Probe:
                                             period=_env_number("TRAINSCOUT_GATHER_PERIOD", 4))
             if self.injector is not None:
                 self.gather_check.before_check = self.injector.on_gathered
+        self.hpz_fix = None  # ZeRO++ hpZ: event-ordered secondary partition (probe/hpz_fix.py)
+        self.hpz_check = None
+        if self.state_check is not None and os.environ.get("TRAINSCOUT_HPZ_CHECK", "1") != "0":
+            self.hpz_check = HpzCheck(self.publisher.append_locked, lambda: self.step,
+                                      lambda name: self.state_check.register(name, None),
+                                      period=_env_number("TRAINSCOUT_HPZ_PERIOD", 4), mode_of=self._hpz_mode,
+                                      on_error=self._error)
         self.param_names: dict[int, str] = {}
         self.model = None
         self.timing = StepTiming(self.publisher.append_locked)
@@ -105,6 +114,12 @@ class Probe:
         h.on_import("torch.distributed.checkpoint.state_dict_saver",
                     self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"))
         h.on_import("deepspeed.runtime.engine", self._guarded(self.checkpoints.wrap_deepspeed, "checkpoint hook"))
+        try:
+            self.hpz_fix = hpz_fix.install(h, os.environ.get("TRAINSCOUT_HPZ_FIX", "event"), on_message=self._error)
+        except Exception as exc:
+            self._error(f"hpZ fix not applied: {exc!r}")
+        if self.hpz_check is not None:
+            h.on_import("deepspeed.runtime.zero.parameter_offload", self._guarded(self.hpz_check.wrap, "hpZ check"))
         os.register_at_fork(after_in_child=self._forked_child)
         self.publisher.start()
         atexit.register(self._write_costs)
@@ -118,6 +133,11 @@ class Probe:
             try:
                 if check is not None:
                     check.flush()
+            except Exception:
+                pass
+        if self.hpz_check is not None:  # its CUDA results still in flight
+            try:
+                self.hpz_check.flush()
             except Exception:
                 pass
         try:
@@ -220,6 +240,12 @@ class Probe:
             module.destroy_process_group = destroy_process_group
         except Exception as exc:
             self._error(f"torch.distributed patching failed: {exc!r}")
+
+    def _hpz_mode(self) -> str:
+        fix = self.hpz_fix
+        if fix is None or fix.state != "installed" or fix.mode == "off":
+            return "stall"  # DeepSpeed as shipped
+        return fix.mode
 
     def _guarded(self, fn, what: str):
         def run(module) -> None:
