@@ -18,7 +18,7 @@ import time
 
 from trainscout.agent import stacks
 from trainscout.agent.rank_view import RankView
-from trainscout.channel.layout import list_channels, replay_request_path, trust_path
+from trainscout.channel.layout import link_probe_request_path, list_channels, replay_request_path, trust_path
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
 
@@ -73,6 +73,8 @@ class Agent:
             _write_atomic(trust_path(self.run_id), cmd.payload)
         elif cmd.kind == "replay":
             _write_atomic(replay_request_path(self.run_id), cmd.payload)
+        elif cmd.kind == "linkprobe":
+            _write_atomic(link_probe_request_path(self.run_id), cmd.payload)
         elif cmd.kind == "abort":
             threading.Thread(target=self._abort, daemon=True).start()
 

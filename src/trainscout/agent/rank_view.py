@@ -19,6 +19,7 @@ from trainscout.probe.step_timing import STEP_PG_INDEX
 from trainscout.wire.messages import (
     ANCHOR_EVERY,
     CollectiveRecord,
+    LinkRecord,
     NonFiniteEvent,
     PgState,
     RankExit,
@@ -47,6 +48,8 @@ class PgTrack:
         self.name = name
         self.desc = ""
         self.members: list[int] = []
+        self.role = ""  # declared by a framework integration (trainscout.integrations)
+        self.framework = ""
         self.seq = 0  # highest seq seen
         self.chained_seq = 0
         self.rolling = 0
@@ -113,6 +116,8 @@ class RankView:
         self._state_out: list[StateRecord] = []
         self._replays_out: list[ReplayRecord] = []
         self._steps_out: list[StepRecord] = []
+        self._links_out: list[LinkRecord] = []
+        self.io_sites: dict[str, str] = {}
         self.nonfinite: list[NonFiniteEvent] = []
 
     def refresh(self) -> None:
@@ -148,6 +153,8 @@ class RankView:
             track = self.pgs.setdefault(name, PgTrack(name))
             track.desc = info.get("desc", "")
             track.members = [int(r) for r in info.get("members", [])]
+            role = doc.get("roles", {}).get(name) or {}
+            track.role, track.framework = role.get("role", ""), role.get("framework", "")
 
     def _ingest(self, rec) -> None:
         idx = int(rec["pg_index"])
@@ -155,10 +162,7 @@ class RankView:
             self._ingest_state(rec)
             return
         if idx == STEP_PG_INDEX:
-            data_us, _, ckpt_us = rec["desc"].decode().partition(":")
-            self._steps_out.append(StepRecord(step=int(rec["step"]), wall_s=int(rec["rolling_hash"]) / 1e9,
-                                              cpu_s=int(rec["entry_hash"]) / 1e9, data_s=int(data_us) / 1e6,
-                                              ckpt_s=int(ckpt_us or 0) / 1e6))
+            self._ingest_step(rec)
             return
         if idx == REPLAY_PG_INDEX:
             layer, _, params = rec["desc"].decode(errors="replace").partition("|")
@@ -182,6 +186,33 @@ class RankView:
             wall_ns=int(rec["wall_ns"]),
             step=int(rec["step"]),
         ))
+
+    def _ingest_step(self, rec) -> None:
+        """Step timings ("step"), call sites of slow loads/saves ("site") and link-probe results ("link")."""
+        op = rec["op"].decode(errors="replace")
+        desc = rec["desc"].decode(errors="replace")
+        if op == "site":
+            kind, _, site = desc.partition("|")
+            self.io_sites[kind] = site
+            return
+        if op == "link":
+            seconds = {}
+            for part in filter(None, desc.split(",")):
+                peer, _, us = part.partition("=")
+                seconds[int(peer)] = int(us) / 1e6
+            self._links_out.append(LinkRecord(request_id=int(rec["seq"]), step=int(rec["step"]), seconds=seconds))
+            return
+        times, _, groups = desc.partition("|")
+        us = [int(x) for x in times.split(":")] + [0, 0, 0, -1, -1]  # older probes send fewer fields
+        pg_wait = {}
+        for part in filter(None, groups.split(",")):
+            name, _, t = part.rpartition("=")
+            pg_wait[name] = int(t) / 1e6
+        self._steps_out.append(StepRecord(
+            step=int(rec["step"]), wall_s=int(rec["rolling_hash"]) / 1e9, cpu_s=int(rec["entry_hash"]) / 1e9,
+            data_s=us[0] / 1e6, ckpt_s=us[1] / 1e6, wait_s=us[2] / 1e6,
+            gpu_s=us[3] / 1e6 if us[3] >= 0 else -1.0, gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else -1.0,
+            pg_wait=pg_wait))
 
     def _ingest_state(self, rec) -> None:
         tid = int(rec["seq"])
@@ -229,6 +260,10 @@ class RankView:
         out, self._steps_out = self._steps_out, []
         return out
 
+    def take_links(self) -> list[LinkRecord]:
+        out, self._links_out = self._links_out, []
+        return out
+
     def take_replays(self) -> list[ReplayRecord]:
         out, self._replays_out = self._replays_out, []
         return out
@@ -274,7 +309,8 @@ class RankView:
         pgs = [
             PgState(name=t.name, desc=t.desc, members=t.members, seq=t.seq, rolling_hash=t.rolling,
                     anchors=list(t.anchors), recent=t.recent(RECENT_IN_DIGEST),
-                    seq_age_s=(now - t.changed_ns) / 1e9, chained_seq=t.chained_seq, complete=t.complete)
+                    seq_age_s=(now - t.changed_ns) / 1e9, chained_seq=t.chained_seq, complete=t.complete,
+                    role=t.role, framework=t.framework)
             for t in self.pgs.values()
         ]
         errors = [h["error_text"].decode(errors="replace")] if h["error_text"] else []
@@ -290,7 +326,8 @@ class RankView:
             probe_errors=errors, fr_available=bool(int(h["fr_available"])),
             replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
             replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period,
-            state_slots=self.state_slots, replay_layers=self.replay_layers,
+            state_slots=self.state_slots, replay_layers=self.replay_layers, io_sites=dict(self.io_sites),
+            links=self.take_links(),
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

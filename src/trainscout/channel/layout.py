@@ -90,6 +90,11 @@ def tensor_table_path(run_id: str, rank: int) -> str:
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.tensors.json")
 
 
+def link_probe_request_path(run_id: str) -> str:
+    """Node-wide JSON the agent writes when the coordinator schedules a link probe (communication stragglers)."""
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}linkprobe.json")
+
+
 def replay_request_path(run_id: str) -> str:
     """Node-wide JSON the agent writes when the coordinator schedules an on-command replay."""
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}replay.json")

@@ -18,6 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
@@ -29,6 +31,7 @@ from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors.straggler import StragglerDetector
 from trainscout.findings import HPZ_RACE
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
+from trainscout.integrations.topology import TopologyTracker
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
 from trainscout.wire.endpoints import CoordinatorEndpoint
 from trainscout.wire.messages import (
@@ -81,6 +84,8 @@ class Coordinator:
         self.nonfinite = NonFiniteDetector()
         self.replay = ReplayDetector()
         self.straggler = StragglerDetector()
+        self.topology = TopologyTracker()
+        self.topology_file = os.path.join(run_dir, "topology.json")
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
         self.agent_silence_s = agent_silence_s
@@ -126,6 +131,8 @@ class Coordinator:
                     self.replay.add(st.rank, st.replays, now)
                 if st.steps:
                     self.straggler.add(st.rank, st.steps, now)
+                if st.links:
+                    self.straggler.add_links(st.rank, st.links, now)
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
         elif isinstance(msg, StackReport):
@@ -172,7 +179,7 @@ class Coordinator:
         replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
         for f in (self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks)
                   + self.hpz.update(now, live)
-                  + self.replay.update(now, replicas) + self.straggler.update(now, live)):
+                  + self.replay.update(now, replicas) + self._stragglers(now, live)):
             self.emit(f, now)
         if self.root_found:
             self.exits.done = True  # later exits follow from the fault already named
@@ -180,6 +187,19 @@ class Coordinator:
             self.emit(f, now)
         self._flush_due(now)
         self._publish_trust(now)
+        self._track_topology()
+
+    def _track_topology(self) -> None:
+        """Which groups exist and which ranks are replicas: topology.json, an event, a console line."""
+        groups = {r: [msgspec.structs.asdict(pg) for pg in o.state.pgs] for r, o in self.ranks.items()}
+        changed, line = self.topology.update(groups, {r: o.state.step for r, o in self.ranks.items()})
+        if changed is not None:
+            with open(self.topology_file + ".tmp", "w") as fh:
+                json.dump(changed, fh)
+            os.replace(self.topology_file + ".tmp", self.topology_file)
+            self.events.write("topology", groups=changed["groups"], replicas=changed["replicas"])
+        if line is not None:
+            self.console.info(line)
 
     def trust(self) -> dict:
         """What a checkpoint saved now can claim (see probe/checkpoints.py)."""
@@ -206,6 +226,45 @@ class Coordinator:
         self._last_trust = payload
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="trust", request_id=next(self.request_ids), payload=payload))
+
+    def _stragglers(self, now: float, live: set[int]) -> list[Finding]:
+        findings = self.straggler.update(now, live)
+        for f in findings:  # a stall names where the training code waits: the call site the probe saw
+            where = {"data_loading": "data", "checkpoint_write": "ckpt"}.get(f.evidence.get("type"))
+            for r in f.culprit_ranks if where else ():
+                site = self.ranks[r].state.io_sites.get(where) if r in self.ranks else None
+                if site:
+                    f.stacks[str(r)] = site
+        wanted = self.straggler.comm.take_request()
+        if wanted is not None:
+            self._schedule_link_probe(now, *wanted)
+        return findings
+
+    def _schedule_link_probe(self, now: float, pg: str, members: list[int], before_s: float, now_s: float) -> None:
+        """Collectives of `pg` slowed on every member: have the members time exchanges with each other at a
+        step far enough ahead that every probe has read the request (see probe/link_probe.py)."""
+        step, rate = self._step_ahead(now)
+        if step is None:
+            return
+        rid = next(self.request_ids)
+        payload = json.dumps({"id": rid, "step": step, "members": members})
+        for ident in self.nodes:
+            self.endpoint.send(ident, Command(kind="linkprobe", request_id=rid, payload=payload))
+        self.straggler.comm.scheduled(rid, pg, members, step, before_s, now_s, now)
+        self.console.info(f"collectives of pg {pg} slowed on every member ({before_s * 1e3:.1f} -> "
+                          f"{now_s * 1e3:.1f} ms per step): link probe at step {step}")
+        self.events.write("link_probe_requested", pg=pg, step=step, members=members, steps_per_s=round(rate, 2))
+
+    def _step_ahead(self, now: float) -> tuple[int | None, float]:
+        """A step a few seconds of training ahead (every probe reads a request within a second), and the
+        recent step rate. The history reaches back to start-up, when steps did not move: use the last
+        few seconds."""
+        if not self._step_history:
+            return None, 0.0
+        t1, s1 = self._step_history[-1]
+        t0, s0 = next((t, s) for t, s in self._step_history if t >= t1 - REPLAY_LEAD_S)
+        rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        return s1 + max(REPLAY_LEAD_STEPS, int(rate * REPLAY_LEAD_S) + 1), rate
 
     def _replay_on_command(self, now: float) -> None:
         """`trainscout replay RUN_DIR` drops a request file; schedule the replay a few seconds of steps ahead.
@@ -241,11 +300,7 @@ class Coordinator:
             self.console.warn(f"replay request ignored: unknown layer {layer!r} (layers: {', '.join(layers)})")
             self.events.write("replay_request_ignored", reason=f"unknown layer {layer}")
             return
-        # the rate of the last few seconds: the history reaches back to start-up, when steps did not move
-        t1, s1 = self._step_history[-1]
-        t0, s0 = next((t, s) for t, s in self._step_history if t >= t1 - REPLAY_LEAD_S)
-        rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
-        step = s1 + max(REPLAY_LEAD_STEPS, int(rate * REPLAY_LEAD_S) + 1)
+        step, rate = self._step_ahead(now)
         payload = json.dumps({"id": next(self.request_ids), "step": step, "layer": layer})
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="replay", request_id=next(self.request_ids), payload=payload))

@@ -10,7 +10,6 @@ device's arithmetic.
 from __future__ import annotations
 
 from trainscout.consensus import vote_exact
-from trainscout.detectors.observations import rank_list
 from trainscout.findings import HEALTH, SDC, Finding
 from trainscout.wire.messages import ReplayRecord
 

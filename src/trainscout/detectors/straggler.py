@@ -2,11 +2,18 @@
 
 Data-parallel ranks do the same work per step and wait for each other, so wall time per step is equal
 across them; what differs is how the step was spent. Per step, a statistical C3 vote (median, relative
-AND absolute thresholds, robust z) over the ranks' CPU time, data-loading time and checkpoint-write
-time, on each rank's median over its last 8 steps (per-step noise averages out), flags the slow side;
-persistence (6 of the last 8 evaluations) turns flags into a finding, and regularly
-spaced spikes (single steps at least 1.5x the peers') into an intermittent straggler with its period. Only durations measured on one clock are
-compared, so no cross-host clock agreement is needed. A uniformly slow job has no outlier.
+AND absolute thresholds, robust z) flags the slow side, in two tiers:
+- fast: each rank's median over its last 8 steps, 20 % above its peers' (a 30 % straggler is named in
+  about 10 steps);
+- fine: each rank's median over its last 32 steps of its time relative to the same step's peers (the
+  step-to-step swings of a shared machine cancel), 6 % above its peers (a 10 % straggler).
+Persistence turns flags into a finding (6 of the last 8, or 12 of the last 16 evaluations); regularly
+spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period.
+Compute is the GPU time from the step's start to the end of backward where the job runs on CUDA (all
+ranks report it), else CPU time. With two ranks there is no majority: a rank whose compute is slower
+AND who waits less for the other in the gradient sync (it arrives last) is named, at lower confidence.
+Only durations measured on one clock are compared, so no cross-host clock agreement is needed.
+A uniformly slow job has no outlier. Communication stragglers are comm_straggler.py's.
 """
 
 from __future__ import annotations
@@ -15,11 +22,10 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from trainscout.consensus import vote_statistical
+from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.findings import STRAGGLER, Finding
-from trainscout.wire.messages import StepRecord
+from trainscout.wire.messages import LinkRecord, StepRecord
 
 
 @dataclass(frozen=True)
@@ -31,12 +37,19 @@ class Metric:
 
 
 METRICS = (
-    # 30 %: healthy ranks on heavily oversubscribed cores showed persistent CPU-per-step differences up to
-    # ~15-20 % for the same work; a straggler finding must not come from machine noise
-    Metric("cpu_s", "compute", rel=0.3, abs_s=0.005),
+    # 15 % over the median of all ranks (which the slow one pulls up: ~20 % over its peers); healthy ranks
+    # on heavily oversubscribed cores showed 8-step CPU medians up to ~16 % apart for the same work, but
+    # not persistently: 6 of 8 evaluations keep such swings from becoming a finding
+    Metric("cpu_s", "compute", rel=0.15, abs_s=0.002),
     Metric("data_s", "data_loading", rel=0.5, abs_s=0.02),
     Metric("ckpt_s", "checkpoint_write", rel=0.5, abs_s=0.05),
 )
+FINE_WINDOW = 32
+FINE_REL = 0.06
+FINE_ABS_S = 0.001
+FINE_Z = 3.0  # on 32-step medians of step-normalised values; 5 is for raw per-step samples
+FINE_K, FINE_M = 12, 16
+TWO_RANK_CONFIDENCE = 0.4
 
 
 class StragglerDetector:
@@ -45,17 +58,25 @@ class StragglerDetector:
         self.k, self.m, self.wait_s = k, m, wait_s
         self.window, self.spike_ratio = window, spike_ratio
         self._windows: dict[tuple[int, str], deque] = {}
+        self._fine: dict[int, deque] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
+        self._fine_flags: dict[int, deque] = {}
+        self._waits: dict[int, deque] = {}  # rank -> gradient-sync wait, last `window` steps (2-rank order)
         self.intermittent_min = intermittent_min
         self._pending: dict[int, dict] = {}  # step -> {"ranks": {rank: StepRecord}, "t": first seen}
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent (step, flagged, ratio)
         self._flag_steps: dict[tuple[int, str], list[int]] = {}
         self._reported: set[tuple[int, str, str]] = set()
         self.steps_evaluated = 0
+        self.compute_measure = "cpu"  # "gpu" once every rank reports GPU times
+        self.comm = CommStragglerWatch()
         self.trace: deque = deque(maxlen=400)  # recent (step, metric, samples, outliers), for diagnosis
 
     def add(self, rank: int, steps: list[StepRecord], now: float) -> None:
         for rec in steps:
             self._pending.setdefault(rec.step, {"ranks": {}, "t": now})["ranks"][rank] = rec
+
+    def add_links(self, rank: int, links: list[LinkRecord], now: float) -> None:
+        self.comm.add_links(rank, links, now)
 
     def update(self, now: float, live: set[int]) -> list[Finding]:
         findings: list[Finding] = []
@@ -64,38 +85,45 @@ class StragglerDetector:
             if not live <= set(entry["ranks"]) and now - entry["t"] < self.wait_s:
                 break  # steps are judged in order
             del self._pending[step]
-            if step <= 1 or len(entry["ranks"]) < 3:
-                continue  # the first step carries start-up; fewer than 3 ranks cannot attribute
+            recs = entry["ranks"]
+            if step <= 1 or len(recs) < 2:
+                continue  # the first step carries start-up
             self.steps_evaluated += 1
+            compute_flagged = False
             for metric in METRICS:
-                findings.extend(self._judge(step, entry["ranks"], metric))
+                found, flagged = self._judge(step, recs, metric)
+                findings.extend(found)
+                compute_flagged |= flagged and metric.label == "compute"
+            self.comm.observe(step, recs, compute_flagged, now)
+        findings.extend(self.comm.judge(now))
         return findings
 
-    def _judge(self, step: int, recs: dict[int, StepRecord], metric: Metric) -> list[Finding]:
-        samples = {r: getattr(rec, metric.name) for r, rec in recs.items()}
-        if metric.label != "compute":
-            # only ranks that loaded data / wrote a checkpoint this step are comparable (a rank-0-only
-            # checkpoint is a design choice, not a straggler)
-            samples = {r: x for r, x in samples.items() if x > 0}
-            if len(samples) < 3:
-                return []
+    # ---- per step ------------------------------------------------------------------------------
+    def _samples(self, recs: dict[int, StepRecord], metric: Metric) -> dict[int, float]:
+        if metric.label == "compute":
+            if all(rec.gpu_s >= 0 for rec in recs.values()):
+                self.compute_measure = "gpu"
+                return {r: rec.gpu_s for r, rec in recs.items()}
+            return {r: rec.cpu_s for r, rec in recs.items()}
+        # only ranks that loaded data / wrote a checkpoint this step are comparable (a rank-0-only
+        # checkpoint is a design choice, not a straggler)
+        return {r: getattr(rec, metric.name) for r, rec in recs.items() if getattr(rec, metric.name) > 0}
+
+    def _judge(self, step: int, recs: dict[int, StepRecord], metric: Metric) -> tuple[list[Finding], bool]:
+        samples = self._samples(recs, metric)
+        if len(samples) == 2 and metric.label == "compute":
+            return self._judge_two(step, recs, samples, metric), False
+        if len(samples) < 3:
+            return [], False
         out = []
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.
         spike = vote_statistical(samples, rel_threshold=max(metric.rel, self.spike_ratio - 1), abs_threshold=metric.abs_s)
         spikes = set(spike.outliers) if spike.status == "attributed" else set()
-        # Sustained slowness: each rank's median over its last `window` steps, so per-step noise averages out.
-        windowed = {}
-        for r, x in samples.items():
-            w = self._windows.setdefault((r, metric.label), deque(maxlen=self.window))
-            w.append(x)
-            if len(w) == self.window:
-                windowed[r] = statistics.median(w)
+        windowed = self._windowed(samples, metric)
         outliers: set[int] = set()
-        median = 0.0
         if len(windowed) >= 3:
             verdict = vote_statistical(windowed, rel_threshold=metric.rel, abs_threshold=metric.abs_s)
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
-            median = statistics.median(windowed.values())
         self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
                            sorted(spikes)))
         for r in samples:
@@ -103,50 +131,129 @@ class StragglerDetector:
                 self._flag_steps.setdefault((r, metric.label), []).append(step)
             if r in windowed:
                 hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
-                ratio = windowed[r] / median if median > 0 else float("inf")
-                hist.append((step, r in outliers, ratio))
-                f = self._persistent(r, metric, hist, recs)
+                hist.append((step, r in outliers, _ratio_to_peers(r, windowed)))
+                f = self._persistent(r, metric, hist, self.k, "")
                 if f is not None:
                     out.append(f)
-            f = self._intermittent(r, metric, recs)
+            f = self._intermittent(r, metric)
             if f is not None:
+                out.append(f)
+        fine_outliers = False
+        if metric.label == "compute":
+            found, fine_outliers = self._judge_fine(step, samples, metric)
+            out.extend(found)
+        return out, bool(outliers) or fine_outliers
+
+    def _windowed(self, samples: dict[int, float], metric: Metric) -> dict[int, float]:
+        """Each rank's median over its last `window` steps, so per-step noise averages out."""
+        windowed = {}
+        for r, x in samples.items():
+            w = self._windows.setdefault((r, metric.label), deque(maxlen=self.window))
+            w.append(x)
+            if len(w) == self.window:
+                windowed[r] = statistics.median(w)
+        return windowed
+
+    def _judge_fine(self, step: int, samples: dict[int, float], metric: Metric) -> tuple[list[Finding], bool]:
+        """Small, steady slowdowns: time relative to the same step's peers, over FINE_WINDOW steps."""
+        median_now = statistics.median(samples.values())
+        if median_now <= 0:
+            return [], False
+        norm = {}
+        for r, x in samples.items():
+            w = self._fine.setdefault(r, deque(maxlen=FINE_WINDOW))
+            w.append(x / median_now)
+            if len(w) == FINE_WINDOW:
+                norm[r] = statistics.median(w)
+        if len(norm) < 3:
+            return [], False
+        verdict = vote_statistical(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now, z_threshold=FINE_Z)
+        outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
+        out = []
+        for r in norm:
+            hist = self._fine_flags.setdefault(r, deque(maxlen=FINE_M))
+            hist.append((step, r in outliers, _ratio_to_peers(r, norm)))
+            f = self._persistent(r, metric, hist, FINE_K, f"fine: {FINE_WINDOW}-step medians, step-normalised")
+            if f is not None:
+                out.append(f)
+        return out, bool(outliers)
+
+    def _judge_two(self, step: int, recs: dict[int, StepRecord], samples: dict[int, float],
+                   metric: Metric) -> list[Finding]:
+        """Two ranks: no majority. The slower one must also be the one that waits less (arrives last)."""
+        windowed = self._windowed(samples, metric)
+        gpu = self.compute_measure == "gpu"
+        waits = {}
+        for r, rec in recs.items():
+            w = self._waits.setdefault(r, deque(maxlen=self.window))
+            w.append(rec.gpu_wait_s if gpu else rec.wait_s)
+            if len(w) == self.window:
+                waits[r] = statistics.median(w)
+        if len(windowed) < 2 or len(waits) < 2:
+            return []
+        (fast, c_fast), (slow, c_slow) = sorted(windowed.items(), key=lambda kv: kv[1])
+        ratio = c_slow / c_fast if c_fast > 0 else float("inf")
+        flagged = (c_slow - c_fast > metric.rel * c_fast and c_slow - c_fast > metric.abs_s
+                   and waits[slow] < waits[fast])
+        self.trace.append((step, "compute-2", {r: round(x, 5) for r, x in windowed.items()},
+                           [slow] if flagged else [], {r: round(x, 5) for r, x in waits.items()}))
+        out = []
+        for r in windowed:
+            hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
+            hist.append((step, flagged and r == slow, ratio if r == slow else 1.0))
+            f = self._persistent(r, metric, hist, self.k, "arrival order: 2 ranks, no majority")
+            if f is not None:
+                f.confidence = TWO_RANK_CONFIDENCE
+                f.evidence["wait_s"] = {str(k): round(v, 6) for k, v in waits.items()}
+                f.summary += (f"; with 2 ranks there is no majority: the evidence is arrival order (it waits "
+                              f"{waits[slow] * 1e3:.1f} ms in the gradient sync, its peer {waits[fast] * 1e3:.1f} ms)")
                 out.append(f)
         return out
 
-    def _persistent(self, rank, metric, hist, recs) -> Finding | None:
+    # ---- findings --------------------------------------------------------------------------------
+    def _persistent(self, rank, metric, hist, k: int, basis: str) -> Finding | None:
         flagged = [(s, ratio) for s, hit, ratio in hist if hit]
         key = (rank, metric.label, "persistent")
-        if len(flagged) < self.k or key in self._reported:
+        if len(flagged) < k or key in self._reported:
             return None
         self._reported.add(key)
-        ratio = float(np.median([r for _, r in flagged]))
+        ratio = float(statistics.median([r for _, r in flagged]))
         steps = [s for s, _ in flagged]
         if metric.label == "compute":
-            summary = (f"rank {rank} is a compute straggler: it needs {ratio:.2f}x the CPU time of its peers per "
+            measure = "GPU time to the end of backward" if self.compute_measure == "gpu" else "CPU time"
+            summary = (f"rank {rank} is a compute straggler: it needs {ratio:.2f}x the {measure} of its peers per "
                        f"step (~{(ratio - 1) * 100:.0f}% slower, {len(steps)} of the last {len(hist)} steps); "
                        "its peers wait for it")
         else:
+            measure = "wall time"
             what = "data loading" if metric.label == "data_loading" else "checkpoint writes"
             summary = (f"rank {rank} stalls in {what}: {ratio:.1f}x its peers' time per step "
                        f"({len(steps)} of the last {len(hist)} steps); its peers wait for it")
         return Finding(kind=STRAGGLER, summary=summary, culprit_ranks=[rank], step=steps[-1],
                        confidence=min(1.0, 0.5 + 0.1 * len(steps)),
                        evidence={"type": metric.label, "ratio": round(ratio, 3), "slowdown": round(ratio - 1, 3),
-                                 "flagged_steps": steps, "basis": "per-step durations, statistical C3"})
+                                 "measure": measure, "flagged_steps": steps,
+                                 "basis": basis or "per-step durations, statistical C3"})
 
-    def _intermittent(self, rank, metric, recs) -> Finding | None:
+    def _intermittent(self, rank, metric) -> Finding | None:
         steps = self._flag_steps.get((rank, metric.label), [])
         key = (rank, metric.label, "intermittent")
         if len(steps) < self.intermittent_min or key in self._reported:
             return None
-        gaps = np.diff(steps[-self.intermittent_min:])
-        period = int(np.median(gaps))
-        if period < 3 or np.any(np.abs(gaps - period) > period // 5):
+        recent = steps[-self.intermittent_min:]
+        gaps = [b - a for a, b in zip(recent, recent[1:])]
+        period = int(statistics.median(gaps))
+        if period < 3 or any(abs(g - period) > period // 5 for g in gaps):
             return None  # not regular, or (nearly) every step: the persistent rule covers that
         self._reported.add(key)
-        recent = steps[-self.intermittent_min:]
         return Finding(kind=STRAGGLER, culprit_ranks=[rank], step=recent[-1], confidence=0.8,
                        summary=(f"rank {rank} is an intermittent {metric.label.replace('_', ' ')} straggler: "
                                 f"slow every {period} steps (steps {', '.join(map(str, recent))})"),
                        evidence={"type": metric.label, "intermittent": True, "period": period,
                                  "flagged_steps": recent})
+
+
+def _ratio_to_peers(rank: int, values: dict[int, float]) -> float:
+    """The rank's value over the median of the others': the slowdown a person reads ("1.3x its peers")."""
+    peers = statistics.median(v for r, v in values.items() if r != rank)
+    return values[rank] / peers if peers > 0 else float("inf")

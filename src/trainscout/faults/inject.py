@@ -35,9 +35,9 @@ FAULT_LOG_ENV = "TRAINSCOUT_FAULT_LOG"
 
 # Faults driven by the optimizer step; the order says what goes first when several are due at one step:
 # the ones that return (slow, pause) before the ones that never do.
-_STEP_KINDS = ("slow", "straggle", "dataslow", "ckptslow", "pause", "corrupt", "nan", "perturb", "hang", "gil",
-               "crash", "exit")
-_EVERY_STEP = ("slow", "straggle")  # fire at every step from spec.step on; the others fire once
+_STEP_KINDS = ("slow", "straggle", "gpuslow", "dataslow", "ckptslow", "commslow", "pause", "corrupt", "nan",
+               "perturb", "hang", "gil", "crash", "exit")
+_EVERY_STEP = ("slow", "straggle", "gpuslow")  # fire at every step from spec.step on; the others fire once
 
 # Positional parameter names of the torch.distributed functions the probe may wrap (torch 2.13), so an
 # argument can be read or replaced whether the caller passed it by position or by keyword.
@@ -48,8 +48,10 @@ _SIGNATURES: dict[str, tuple[str, ...]] = {
     "reduce": ("tensor", "dst", "op", "group", "async_op", "group_dst"),
     "all_gather": ("tensor_list", "tensor", "group", "async_op"),
     "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather_single": ("output_tensor", "input_tensor", "group", "async_op"),
     "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
     "reduce_scatter_tensor": ("output", "input", "op", "group", "async_op"),
+    "reduce_scatter_single": ("output", "input", "op", "group", "async_op"),
     "all_to_all": ("output_tensor_list", "input_tensor_list", "group", "async_op"),
     "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
     "gather": ("tensor", "gather_list", "dst", "group", "async_op", "group_dst"),
@@ -70,13 +72,16 @@ _INPUT_TENSOR: dict[str, str] = {
     "reduce": "tensor",
     "all_gather": "tensor",
     "all_gather_into_tensor": "input_tensor",
+    "all_gather_single": "input_tensor",
     "reduce_scatter_tensor": "input",
+    "reduce_scatter_single": "input",
     "all_to_all_single": "input",
     "gather": "tensor",
     "scatter": "tensor",
 }
 
-_REDUCING = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+_REDUCING = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+             "reduce_scatter_single")
 
 
 def _log(message: str) -> None:
@@ -305,6 +310,9 @@ class FaultInjector:
                         if spec.kind == "slow":
                             _log(f"rank {self.rank}: slow: sleeping {spec.params['ms']:g} ms per step "
                                  f"from step {step}")
+                        elif spec.kind == "gpuslow":
+                            _log(f"rank {self.rank}: gpuslow: a {spec.params['ms']:g} ms spin kernel on the "
+                                 f"current CUDA stream every step from step {step}")
                         else:
                             _log(f"rank {self.rank}: straggle: {spec.params['factor']:g}x extra CPU work every "
                                  f"{spec.params['every']} step(s) from step {step}")
@@ -324,6 +332,12 @@ class FaultInjector:
             return
         if kind in ("dataslow", "ckptslow"):
             self._arm_slow_io(kind, params)
+            return
+        if kind == "commslow":
+            self._arm_slow_transport(params)
+            return
+        if kind == "gpuslow":
+            self._spin_gpu(params)
             return
         if kind == "corrupt" and params.get("target") == "gathered":
             self._corrupt_gathered = dict(params)  # fired by on_gathered, inside the next checked forward
@@ -417,6 +431,44 @@ class FaultInjector:
             setattr(owner, attr, slowed)
         _log(f"rank {self.rank}: {kind}: +{params['ms']:g} ms per {'batch' if kind == 'dataslow' else 'save'}")
 
+    def _arm_slow_transport(self, params: Mapping[str, Any]) -> None:
+        """commslow: from now on every collective and point-to-point call this rank issues from Python
+        waits `ms` first, as over a slow link or a congested host network stack. Its compute is untouched."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        delay = float(params["ms"]) / 1000.0
+        self._transport_delay = delay
+        for name in ("send", "recv", "isend", "irecv"):
+            for owner in (dist, c10d):
+                real = getattr(owner, name, None)
+                if real is None or getattr(real, "__trainscout_slowed__", False):
+                    continue
+
+                def slowed(*args, _real=real, **kwargs):
+                    time.sleep(delay)
+                    return _real(*args, **kwargs)
+
+                slowed.__trainscout_slowed__ = True  # type: ignore[attr-defined]
+                setattr(owner, name, slowed)
+        _log(f"rank {self.rank}: commslow: +{params['ms']:g} ms per collective and send/recv")
+
+    def _spin_gpu(self, params: Mapping[str, Any]) -> None:
+        """gpuslow: a spin kernel of `ms` on the current CUDA stream (the GPU is slow, the host is not)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        cycles = getattr(self, "_spin_cycles_per_ms", None)
+        if cycles is None:  # calibrate once: clock rates differ between GPUs
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            cycles = self._spin_cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+        torch.cuda._sleep(int(cycles * float(params["ms"])))
+
     def on_gathered(self, module: Any, step: int) -> None:
         """Called by the probe between an all-gather and its check: corrupt this receiver's copy once."""
         params = getattr(self, "_corrupt_gathered", None)
@@ -449,6 +501,9 @@ class FaultInjector:
     def rewrite_collective(self, name: str, args: tuple, kwargs: dict, step: int) -> tuple[str, tuple, dict]:
         """Return the collective to issue instead of (name, args, kwargs): changed once, for a due desync."""
         unchanged = (name, args, kwargs)
+        delay = getattr(self, "_transport_delay", 0.0)
+        if delay:
+            time.sleep(delay)  # commslow: inside the collective as the caller sees it
         with self._lock:
             index = self._pending_desync(step)
             if index is None:

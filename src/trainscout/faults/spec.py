@@ -33,6 +33,8 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
     "straggle": {"factor": 0.3, "every": 1},
     "dataslow": {"ms": 200.0},
     "ckptslow": {"ms": 500.0},
+    "commslow": {"ms": 20.0},
+    "gpuslow": {"ms": 20.0},
 }
 KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
 
@@ -128,6 +130,8 @@ _PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
     ("straggle", "every"): lambda key, text, token: _parse_int(key, text, token, minimum=1),
     ("dataslow", "ms"): _parse_nonneg_float,
     ("ckptslow", "ms"): _parse_nonneg_float,
+    ("commslow", "ms"): _parse_nonneg_float,
+    ("gpuslow", "ms"): _parse_nonneg_float,
 }
 
 

@@ -79,12 +79,12 @@ class CheckpointHooks:
 
     def _timed(self, real, *args, **kwargs):
         """Call a saver and report its wall and CPU time (checkpoint-write stall timings)."""
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return real(*args, **kwargs)
         finally:
             if self.on_duration is not None:
-                self.on_duration(time.perf_counter() - t0, time.process_time() - c0)
+                self.on_duration(time.perf_counter() - t0, time.thread_time() - c0)
 
     def wrap_torch_save(self, module) -> None:
         real = module.save

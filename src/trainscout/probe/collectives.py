@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -23,14 +24,19 @@ WRAPPED = (
     "reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all",
     "all_to_all_single",
     "gather",
     "scatter",
     "barrier",
 )
+# torch >= 2.13: the old names only call the new `_single` ones (FSDP2 calls those directly); wrapping
+# the new ones alone sees both and counts each call once
+_DELEGATES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 _ROOT_ARGS = ("src", "dst", "group_src", "group_dst")
 _MAX_EXTRAS = 8192
 _SYNC_RECORDED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor"}
@@ -40,6 +46,7 @@ class CollectiveTap:
     def __init__(self, get_step: Callable[[], int], injector=None, on_error: Callable[[str], None] = print,
                  record_sync: Callable | None = None) -> None:
         self.record_sync = record_sync
+        self.on_wait: Callable[[str, float], None] | None = None  # (group name, seconds) of a blocking call
         self.extras: "OrderedDict[tuple[str, int], str]" = OrderedDict()
         self._get_step = get_step
         self._injector = injector
@@ -56,6 +63,8 @@ class CollectiveTap:
             fn = getattr(c10d_module, name, None)
             if fn is None or getattr(fn, "__trainscout_wrapped__", False):
                 continue
+            if name in _DELEGATES and getattr(c10d_module, _DELEGATES[name], None) is not None:
+                continue
             self.originals[name] = fn
             setattr(c10d_module, name, self._wrap(name, fn))
 
@@ -64,18 +73,25 @@ class CollectiveTap:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
             call_name, call_fn = name, fn
             if self._injector is not None:
                 call_name, args, kwargs = self._injector.rewrite_collective(name, args, kwargs, self._get_step())
                 call_fn = self.originals.get(call_name, fn)
+            pg_name = None
             if not self._broken and sig is not None:
-                self._note(call_name, call_fn, args, kwargs)
-            return call_fn(*args, **kwargs)
+                pg_name = self._note(call_name, call_fn, args, kwargs)
+            try:
+                return call_fn(*args, **kwargs)
+            finally:
+                if pg_name is not None and self.on_wait is not None:
+                    self.on_wait(pg_name, time.perf_counter() - t0)
 
         wrapper.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
         return wrapper
 
-    def _note(self, name: str, fn: Callable, args, kwargs) -> None:
+    def _note(self, name: str, fn: Callable, args, kwargs) -> str | None:
+        """Record the call's extras; return its group's name if the call blocks (not async_op)."""
         try:
             bound = self._signature(fn).bind_partial(*args, **kwargs).arguments
             group = bound.get("group")
@@ -83,11 +99,12 @@ class CollectiveTap:
             if group is None:
                 group = c10d._get_default_group()
             if c10d._rank_not_in_group(group):
-                return  # non-members issue nothing, so no sequence number to key on
+                return None  # non-members issue nothing, so no sequence number to key on
             seq = int(group._get_sequence_number_for_group()) + 1
             parts = []
             op = bound.get("op")
-            if op is not None or name in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
+            if op is not None or name in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                                     "reduce_scatter_single"):
                 parts.append(f"op={_op_name(op)}")
             for key in _ROOT_ARGS:
                 if bound.get(key) is not None:
@@ -100,9 +117,11 @@ class CollectiveTap:
             tensor_arg = _SYNC_RECORDED.get(name)
             if tensor_arg and self.record_sync is not None and bound.get(tensor_arg) is not None:
                 self._record_now(name, group.group_name, seq, bound[tensor_arg], extra)
+            return None if bound.get("async_op") else group.group_name
         except Exception as exc:  # fail open: lose the extra detail, keep training untouched
             self._broken = True
             self._on_error(f"collective tap disabled: {exc!r}")
+            return None
 
     def _record_now(self, op: str, pg_name: str, seq: int, tensor, extra: str) -> None:
         dtype = _recorder_dtype(tensor)

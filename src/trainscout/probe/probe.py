@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from trainscout.channel.layout import replay_request_path, stack_path
+from trainscout.channel.layout import link_probe_request_path, replay_request_path, stack_path
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
 from trainscout.probe.checkpoints import CheckpointHooks
@@ -21,6 +21,7 @@ from trainscout.probe.gather_check import GatherCheck
 from trainscout.probe import hpz_fix
 from trainscout.probe.hpz_check import HpzCheck
 from trainscout.probe.import_hooks import hooks
+from trainscout.probe.link_probe import LinkProbe
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
 from trainscout.probe.replay import Replay
@@ -71,17 +72,20 @@ class Probe:
         self.param_names: dict[int, str] = {}
         self.model = None
         self.timing = StepTiming(self.publisher.append_locked)
+        self.tap.on_wait = self.timing.add_wait
         self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self.timing.add_checkpoint)
         # 200: one replay cost ~20 ms of a demo rank's time (4 ranks on 2 cores, the broadcast waits for
         # the slowest replica), 0.45 % of step time at every 100 steps; 200 keeps it well inside 0.5 %
         every = _env_number("TRAINSCOUT_REPLAY_EVERY", 200)
         self.replay = Replay(self.publisher.append_locked, every, rank) if every > 0 else None
-        self._replay_group = None
+        self._side_group = None  # gloo group over the world with a bounded timeout: replay, link probes
+        self.link_probe = None
+        if os.environ.get("TRAINSCOUT_LINK_PROBE", "1") != "0":
+            self.link_probe = LinkProbe(self.publisher.append_locked, rank, self._error)
         self._replay_request: tuple[int, int, str] | None = None  # (id, step, layer) from `trainscout replay`
         self._replay_request_mtime = 0
         self._replay_requests_done: set[int] = set()
-        if self.replay is not None:
-            self.publisher.on_tick = self._read_replay_request
+        self.publisher.on_tick = self._read_requests
 
     def _load_injector(self):
         if not os.environ.get("TRAINSCOUT_INJECT"):
@@ -109,6 +113,7 @@ class Probe:
         if self.gather_check is not None:
             h.on_import("torch.distributed.fsdp._fully_shard._fully_shard",
                         self._guarded(self.gather_check.wrap, "all-gather check"))
+        h.on_import("torch.autograd", self._guarded(self.timing.patch_autograd, "step timing"))
         h.on_import("torch.utils.data.dataloader", self._guarded(self.timing.wrap_dataloader, "data-loader timing"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
         h.on_import("torch.distributed.checkpoint.state_dict_saver",
@@ -129,7 +134,7 @@ class Probe:
         # Runs before the exit record (atexit is LIFO): publish the last collectives first.
         if self.publisher is None or os.getpid() != self.pid:
             return
-        for check in (self.state_check, self.nonfinite):  # CUDA results still in flight
+        for check in (self.state_check, self.nonfinite, self.timing):  # CUDA results still in flight
             try:
                 if check is not None:
                     check.flush()
@@ -144,6 +149,15 @@ class Probe:
             self.publisher.poll_collectives(force=True)
         except Exception:
             pass
+
+    def _read_requests(self) -> None:
+        if self.link_probe is not None and self._side_group is not None:
+            try:
+                self.link_probe.read_request(link_probe_request_path(self.run_id), self.step)
+            except Exception as exc:
+                self._error(f"link probe request unreadable: {exc!r}")
+        if self.replay is not None:
+            self._read_replay_request()
 
     def _read_replay_request(self) -> None:
         """Publisher thread: pick up a replay request the agent wrote (see coordinator `_replay_on_command`)."""
@@ -211,16 +225,16 @@ class Probe:
 
             def init_process_group(*args, **kwargs):
                 result = real_init(*args, **kwargs)
-                if probe.replay is not None:
+                if probe.replay is not None or probe.link_probe is not None:
                     try:  # every rank creates it now, in the same order: group creation is collective
                         import datetime
 
-                        # a bounded timeout: if replay fails on one rank, the others' side broadcast
-                        # errors out (and disables replay) instead of hanging training
-                        probe._replay_group = module.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+                        # a bounded timeout: if replay or a link probe fails on one rank, the others'
+                        # side-group calls error out (and disable it) instead of hanging training
+                        probe._side_group = module.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
                     except Exception as exc:
-                        probe.replay = None
-                        probe._error(f"replay disabled (no side group): {exc!r}")
+                        probe.replay = probe.link_probe = None
+                        probe._error(f"replay and link probes disabled (no side group): {exc!r}")
                 if probe.injector is not None:
                     probe.injector.on_init_process_group()
                 return result
@@ -282,7 +296,7 @@ class Probe:
         cls.__init__ = __init__
 
     def _attach_replay(self, ddp) -> None:
-        if self.replay is None or self._replay_group is None:
+        if self.replay is None or self._side_group is None:
             return
         import torch.distributed as dist
 
@@ -291,15 +305,20 @@ class Probe:
             self.replay = None  # the side group spans the world; replicas must too (pure data parallel)
             return
         broadcast = self.tap.originals.get("broadcast", dist.broadcast)  # unwrapped: no fault rewrites it
-        self.replay.attach(ddp.module, self._replay_group, min(members), broadcast)
+        self.replay.attach(ddp.module, self._side_group, min(members), broadcast)
         if self.state_check is not None:
             self.state_check.replay_layers = [name for name, _ in self.replay.layers]
 
     def _hook_optimizer(self, module) -> None:
         try:
+            module.register_optimizer_step_pre_hook(self._before_optimizer_step)
             module.register_optimizer_step_post_hook(self._after_optimizer_step)
         except Exception as exc:
             self._error(f"optimizer hook failed: {exc!r}")
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._primary_optimizer in (None, id(optimizer)) and os.getpid() == self.pid:
+            self.timing.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         # Several optimizers may step per iteration; the first one seen defines the step boundary.
@@ -339,6 +358,12 @@ class Probe:
                     self._error(f"on-command replay at step {request[1]} missed (request read at step {self.step})")
             else:
                 self.replay.prepare(request[2])
+        if self.link_probe is not None and self.link_probe.due(self.step):
+            try:
+                self.link_probe.run(self.step, self._side_group)
+            except Exception as exc:  # fail open
+                self.link_probe = None
+                self._error(f"link probe disabled: {exc!r}")
         if self.injector is not None:
             self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
 

@@ -1,44 +1,174 @@
-"""Per-step timings of a rank: wall time, CPU time, time in data loading and in checkpoint writes.
+"""Per-step timings of a rank: wall time, compute, collective waits, data loading and checkpoint writes.
 
-Ranks of a data-parallel job run the same work per step, so a rank that needs more CPU per step is a
-compute straggler, one that spends its step waiting for data is data-loader stalled, one that spends
-it in `torch.save` is checkpoint-write stalled. Wall time is equal on all ranks (they wait for each
-other), CPU time and the two waits are not. One record per step; the coordinator compares ranks.
+Ranks of a data-parallel job run the same work per step and wait for each other, so wall time per step
+is equal across them; how the step was spent is not. A rank that needs more compute per step is a
+compute straggler (its peers wait longer for it, it waits least); one that spends its step waiting for
+data is data-loader stalled, one in `torch.save` checkpoint-write stalled. A slow transport makes every
+member of a process group wait longer in that group's collectives while compute stays the same.
+
+Measured per optimizer step, all as durations on this rank's own clocks:
+- compute: CPU time of the training thread minus its CPU in data loading and checkpoint writes (the
+  communication library's and the probe's own threads are not compute, and their share differs by rank
+  role: a collective's root does more); on CUDA also the
+  GPU time from the step's start to the end of backward (CUDA events, read back when complete: no sync);
+- wait: time blocked in collectives issued from Python (per process group) plus the gradient-sync wait
+  between the end of backward and the optimizer step (DDP / FSDP finish their reductions there);
+  on CUDA also that wait on the GPU (end of backward to the optimizer step, events on the same stream).
+One record per step; the coordinator compares ranks.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from collections import deque
 
 STEP_PG_INDEX = -4
+SLOW_FETCH_S = 0.05  # a data fetch this slow gets its call site recorded (at most once per SITE_EVERY_S)
+SITE_EVERY_S = 10.0
+_GPU_PENDING_MAX = 8  # steps whose GPU events are still in flight; older ones are given up (-1)
 
 
 class StepTiming:
     def __init__(self, append) -> None:
         self.append = append
         self._wall = time.perf_counter()
-        self._cpu = time.process_time()
+        self._cpu = time.thread_time()
         self.data_s = 0.0
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
+        self.wait_s = 0.0
+        self.pg_wait: dict[str, float] = {}  # Python-level collective time per process group, this step
+        self._backward_end: float | None = None
         self.last_wall_s = 0.0
         self.total_wall_s = 0.0  # from the first step's end: what per-step costs are compared against
+        self.sites: dict[str, str] = {}  # "data" / "ckpt" -> where the training code waits (call site)
+        self._site_at: dict[str, float] = {}
+        # CUDA: events A (after the previous optimizer step), B (end of backward), C (optimizer pre-step)
+        self._cuda = None
+        self._ev_start = None
+        self._ev_backward = None
+        self._ev_pre = None
+        self._gpu_pending: deque = deque()  # (step, record fields, A, B, C)
+        self._free_events: list = []
+
+    # ---- step boundaries -------------------------------------------------------------------
+    def backward_ended(self) -> None:
+        """Autograd engine callback: backward's own work is done; DDP's reduction wait comes after."""
+        self._backward_end = time.perf_counter()
+        if self._cuda is not None:
+            self._ev_backward = self._event()
+
+    def before_optimizer_step(self) -> None:
+        if self._backward_end is not None:
+            self.wait_s += time.perf_counter() - self._backward_end
+            self._backward_end = None
+        if self._cuda is not None and self._ev_backward is not None:
+            self._ev_pre = self._event()
+
+    def add_wait(self, pg_name: str, seconds: float) -> None:
+        """A blocking collective issued from Python took this long (the tap measures it)."""
+        self.wait_s += seconds
+        self.pg_wait[pg_name] = self.pg_wait.get(pg_name, 0.0) + seconds
 
     def after_step(self, step: int) -> None:
-        wall, cpu = time.perf_counter(), time.process_time()
-        data_us, ckpt_us = int(self.data_s * 1e6), int(self.ckpt_s * 1e6)
+        wall, cpu = time.perf_counter(), time.thread_time()
         compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s)
-        self.append(STEP_PG_INDEX, step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9),
-                    time.time_ns(), step, "step", f"{data_us}:{ckpt_us}")
+        fields = (step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9), int(self.data_s * 1e6),
+                  int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait))
+        if self._cuda is not None and self._ev_start is not None and self._ev_backward is not None \
+                and self._ev_pre is not None:
+            self._gpu_pending.append((fields, self._ev_start, self._ev_backward, self._ev_pre))
+        else:
+            self._emit(fields, -1, -1)
+        if self._cuda is not None:
+            self._ev_start = self._event()
+            self._ev_backward = self._ev_pre = None
+            self._drain_gpu()
         self.last_wall_s = wall - self._wall
         if step > 1:
             self.total_wall_s += self.last_wall_s
         self._wall, self._cpu = wall, cpu
-        self.data_s = self.ckpt_s = self.io_cpu_s = 0.0
+        self.data_s = self.ckpt_s = self.io_cpu_s = self.wait_s = 0.0
+        self.pg_wait = {}
+        self._backward_end = None
+
+    def _emit(self, fields: tuple, gpu_us: int, gpu_wait_us: int) -> None:
+        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait = fields
+        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}"
+        if pg_wait:
+            desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
+        self.append(STEP_PG_INDEX, step, cpu_ns, wall_ns, time.time_ns(), step, "step", desc)
+
+    # ---- CUDA: GPU busy and wait time per step, from events read back once complete -----------------
+    def use_cuda(self, torch_cuda) -> None:
+        """The loss lives on a CUDA device: time the GPU side too (called from the first backward)."""
+        if self._cuda is None:
+            self._cuda = torch_cuda
+            self._ev_start = self._event()
+
+    def _event(self):
+        ev = self._free_events.pop() if self._free_events else self._cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _drain_gpu(self, force: bool = False) -> None:
+        while self._gpu_pending:
+            fields, a, b, c = self._gpu_pending[0]
+            if not c.query():  # non-blocking; later steps complete later on the same stream
+                if force or len(self._gpu_pending) > _GPU_PENDING_MAX:
+                    self._gpu_pending.popleft()
+                    self._emit(fields, -1, -1)
+                    continue
+                return
+            self._gpu_pending.popleft()
+            self._emit(fields, int(a.elapsed_time(b) * 1e3), int(b.elapsed_time(c) * 1e3))
+            self._free_events.extend((a, b, c))
+
+    def flush(self) -> None:
+        if self._gpu_pending:
+            try:
+                self._cuda.synchronize()  # at exit only
+            except Exception:
+                pass
+            self._drain_gpu(force=True)
+
+    # ---- hooks that feed it ------------------------------------------------------------------
+    def patch_autograd(self, autograd_module) -> None:
+        """Mark the end of each backward (an engine callback queued from the loss's grad_fn pre-hook runs
+        before DDP's own finalisation, which is where the gradient all-reduce wait happens)."""
+        real_backward = autograd_module.backward
+        timing = self
+
+        def queue_end(grad_outputs):
+            try:
+                autograd_module.Variable._execution_engine.queue_callback(timing.backward_ended)
+            except Exception:
+                pass
+            return None
+
+        def backward(tensors, *args, **kwargs):
+            try:
+                t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
+                if getattr(t, "grad_fn", None) is not None and t.numel() == 1:
+                    if t.device.type == "cuda" and timing._cuda is None:
+                        import torch
+
+                        timing.use_cuda(torch.cuda)
+                    t.grad_fn.register_prehook(queue_end)
+            except Exception:
+                pass  # fail open: timing must never break backward
+            return real_backward(tensors, *args, **kwargs)
+
+        backward.__wrapped__ = real_backward  # type: ignore[attr-defined]
+        backward.__doc__ = real_backward.__doc__
+        autograd_module.backward = backward
 
     def add_checkpoint(self, wall_s: float, cpu_s: float) -> None:
         self.ckpt_s += wall_s
         self.io_cpu_s += cpu_s
+        self._note_site("ckpt")
 
     def wrap_dataloader(self, module) -> None:
         """Time every batch fetched from a torch DataLoader (single- and multi-process iterators)."""
@@ -47,12 +177,51 @@ class StepTiming:
         timing = self
 
         def __next__(it):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return real(it)
             finally:
-                timing.data_s += time.perf_counter() - t0
-                timing.io_cpu_s += time.process_time() - c0
+                spent = time.perf_counter() - t0
+                timing.data_s += spent
+                timing.io_cpu_s += time.thread_time() - c0
+                if spent > SLOW_FETCH_S:
+                    timing._note_site("data")
 
         __next__.__wrapped__ = real  # type: ignore[attr-defined]
         cls.__next__ = __next__
+
+    def _note_site(self, kind: str) -> None:
+        """Record where the training code waits (its own frames, innermost first); rarely, it costs ~50 us."""
+        now = time.monotonic()
+        if now - self._site_at.get(kind, -SITE_EVERY_S) < SITE_EVERY_S:
+            return
+        self._site_at[kind] = now
+        try:
+            site = call_site(sys._getframe(1))
+        except Exception:
+            return
+        if site and site != self.sites.get(kind):
+            self.sites[kind] = site
+            self.append(STEP_PG_INDEX, 0, 0, 0, time.time_ns(), 0, "site", f"{kind}|{site}")
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../trainscout
+_DEMO = os.path.join(_PACKAGE, "demo")
+_LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "deepspeed" + os.sep)
+
+
+def _is_library(path: str) -> bool:
+    if path.startswith(_PACKAGE) and not path.startswith(_DEMO):
+        return True  # our own wrappers (the demo script is user code)
+    return any(s in path for s in _LIBRARIES)
+
+
+def call_site(frame, depth: int = 3) -> str:
+    """The innermost `depth` frames outside trainscout/torch/deepspeed: 'train.py:88 in train <- ...'."""
+    parts = []
+    while frame is not None and len(parts) < depth:
+        path = frame.f_code.co_filename
+        if not _is_library(path):
+            parts.append(f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(parts)

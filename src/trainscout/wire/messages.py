@@ -34,6 +34,8 @@ class PgState(msgspec.Struct, array_like=True):
     seq_age_s: float  # seconds since this rank's seq on this group last changed
     chained_seq: int = 0  # every record up to here is known, so rolling_hash covers them all
     complete: bool = True  # False once records were lost: rolling hashes of this rank are not comparable
+    role: str = ""  # what the group is for, as a framework integration declared it (replicate, shard, tensor...)
+    framework: str = ""  # who declared it (DDP, HSDP, DeepSpeed ZeRO-2, ...)
 
 
 class RankExit(msgspec.Struct, array_like=True):
@@ -74,9 +76,21 @@ class StepRecord(msgspec.Struct, array_like=True):
 
     step: int
     wall_s: float  # since the previous step ended
-    cpu_s: float  # process CPU time in that span
+    cpu_s: float  # CPU time of the training thread in that span (minus data loading / checkpoint CPU)
     data_s: float  # time inside DataLoader iteration
     ckpt_s: float  # time inside torch.save / torch.distributed.checkpoint.save
+    wait_s: float = 0.0  # blocked in collectives: Python-level calls + the gradient-sync wait after backward
+    gpu_s: float = -1.0  # CUDA: GPU time from the step's start to the end of backward (-1: not measured)
+    gpu_wait_s: float = -1.0  # CUDA: GPU time from the end of backward to the optimizer step (gradient sync)
+    pg_wait: dict[str, float] = {}  # Python-level collective time per process group name
+
+
+class LinkRecord(msgspec.Struct, array_like=True):
+    """One link probe on one rank: seconds per round trip with each partner (over the side group)."""
+
+    request_id: int
+    step: int
+    seconds: dict[int, float]  # partner rank -> best exchange time
 
 
 class RankState(msgspec.Struct, array_like=True):
@@ -102,6 +116,8 @@ class RankState(msgspec.Struct, array_like=True):
     state_period: int = 0  # steps one replicated-state rotation takes (0: state check off)
     state_slots: int = 0  # slots of that rotation: step s checks slot s mod state_slots
     replay_layers: list[str] = []  # layers the replay rotation covers (empty: replay off)
+    io_sites: dict[str, str] = {}  # "data" / "ckpt" -> the training code's call site of slow loads / saves
+    links: list[LinkRecord] = []  # link-probe results since the previous digest
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -150,7 +166,7 @@ class Goodbye(msgspec.Struct, tag=True):
 class Command(msgspec.Struct, tag=True):
     """Coordinator -> agent."""
 
-    kind: str  # dump_stacks | fetch_records | abort | trust | replay
+    kind: str  # dump_stacks | fetch_records | abort | trust | replay | linkprobe
     request_id: int
     ranks: list[int] = []
     pg: str = ""

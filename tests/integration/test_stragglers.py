@@ -1,0 +1,80 @@
+"""Stragglers are named live, by kind, with the exact rank, in a real 4-rank gloo DDP job.
+
+Each job is the unmodified demo script under `trainscout run` with one slowdown injected through the
+environment: extra compute on one rank, a slow transport on one rank (every collective and send/recv it
+issues waits), a slow data loader, slow checkpoint writes, a rank slow on every 10th step. Compute and
+communication stragglers must not be mistaken for each other.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import free_port, run_under_trainscout
+
+pytestmark = pytest.mark.slow
+
+
+def _demo(tmp_path, name: str, inject: str, steps: int, *script_args: str):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+              str(free_port()), "-m", "trainscout.demo.train", "--steps", str(steps), *script_args]
+    return run_under_trainscout(tmp_path, name, launch, options=("--inject", inject))
+
+
+def _stragglers(result, kind: str) -> list[dict]:
+    return [f for f in result.findings if f["kind"] == "straggler" and f["evidence"].get("type") == kind]
+
+
+def test_compute_straggler_is_named_with_its_slowdown_and_not_as_communication(tmp_path):
+    result = _demo(tmp_path, "compute", "straggle:rank=2:step=20:factor=0.3", 90)
+    assert result.returncode == 0, result.describe()
+    (f,) = _stragglers(result, "compute")
+    assert f["culprit_ranks"] == [2] and f["status"] == "attributed", result.describe()
+    assert 1.15 < f["evidence"]["ratio"] < 1.8, result.describe()
+    assert f["step"] <= 20 + 20, result.describe()  # named within 20 steps of the onset
+    assert not _stragglers(result, "communication"), result.describe()
+    assert [x["kind"] for x in result.findings] == ["straggler"], result.describe()
+
+
+def test_communication_straggler_is_named_with_its_group_and_not_as_compute(tmp_path):
+    result = _demo(tmp_path, "comm", "commslow:rank=1:step=25:ms=20", 200)
+    assert result.returncode == 0, result.describe()
+    (f,) = _stragglers(result, "communication")
+    assert f["culprit_ranks"] == [1] and f["status"] == "attributed", result.describe()
+    assert f["pg"] == "0" and f["evidence"]["pgs"] == ["0"], result.describe()
+    assert f["evidence"]["endpoint"] == "rank 1" and f["hosts"] and f["pids"], result.describe()
+    # its fastest exchange is the injected delay on each of send and recv, the peers' far below
+    assert f["evidence"]["ratio"] > 5, result.describe()
+    assert not _stragglers(result, "compute"), result.describe()
+    assert [x["kind"] for x in result.findings] == ["straggler"], result.describe()
+    assert any(e["kind"] == "link_probe_requested" for e in result.events), result.describe()
+
+
+def test_data_loader_stall_is_named_with_the_training_code_that_waits(tmp_path):
+    result = _demo(tmp_path, "data", "dataslow:rank=3:step=10:ms=150", 40)
+    assert result.returncode == 0, result.describe()
+    (f,) = _stragglers(result, "data_loading")
+    assert f["culprit_ranks"] == [3], result.describe()
+    assert "train.py" in f["stacks"]["3"] and "in batches" in f["stacks"]["3"], result.describe()
+    assert not _stragglers(result, "compute") and not _stragglers(result, "communication"), result.describe()
+
+
+def test_checkpoint_write_stall_is_named_with_the_training_code_that_saves(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = _demo(tmp_path, "ckpt", "ckptslow:rank=1:step=5:ms=300", 60,
+                   "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.describe()
+    (f,) = _stragglers(result, "checkpoint_write")
+    assert f["culprit_ranks"] == [1], result.describe()
+    assert "train.py" in f["stacks"]["1"] and "in save_checkpoint" in f["stacks"]["1"], result.describe()
+    assert not _stragglers(result, "compute") and not _stragglers(result, "communication"), result.describe()
+
+
+def test_intermittent_straggler_is_named_with_its_period(tmp_path):
+    result = _demo(tmp_path, "intermittent", "straggle:rank=1:step=10:factor=2:every=10", 90)
+    assert result.returncode == 0, result.describe()
+    found = _stragglers(result, "compute")
+    assert [f["culprit_ranks"] for f in found] == [[1]], result.describe()
+    assert found[0]["evidence"]["intermittent"] is True and found[0]["evidence"]["period"] == 10, result.describe()
