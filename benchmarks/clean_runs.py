@@ -5,7 +5,9 @@ Three kinds of healthy run, all 4 CPU ranks (gloo DDP, tiny GPT), >= 100 steps:
   slow   `trainscout demo --fault slow --rank all --step 0 --param ms=30`: every rank uniformly slow, so no
          rank is a straggler and nobody is to blame;
   pause  `trainscout run -- torchrun ... trainscout.demo.train --pause-at 50 --pause-seconds 12`: every rank
-         checkpoints and sleeps longer than the 5 s hang timeout, a job-wide pause that is not a hang.
+         checkpoints and sleeps longer than the 5 s hang timeout, a job-wide pause that is not a hang;
+  hog    the plain job while --hog-procs busy-looping processes (one per core by default) compete for the
+         machine's CPUs, slowing every rank: not a straggler either.
 The kinds are interleaved so a burst of load on the shared machine does not fall on one kind only. A run
 passes when it has zero findings and exits 0.
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +32,7 @@ from _common import (PYTHON, begin, append_results, command_line, fmt, free_port
 def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str) -> list[str]:
     common = ["--console", "plain", "--run-dir", str(out), "--run-id", run_id]
     port = str(free_port())
-    if kind == "plain":
+    if kind in ("plain", "hog"):
         return [PYTHON, "-m", "trainscout", "demo", "--fault", "none", "--steps", str(args.steps),
                 "--master-port", port, *common]
     if kind == "slow":
@@ -42,19 +46,27 @@ def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str) -> lis
     raise ValueError(kind)
 
 
-def schedule(plain: int, slow: int, pause: int) -> list[str]:
-    """Spread the slow and pause runs evenly among the plain ones."""
+def schedule(plain: int, slow: int, pause: int, hog: int = 0) -> list[str]:
+    """Spread the slow, pause and hog runs evenly among the plain ones."""
     order: list[tuple[float, str]] = [((i + 0.5) / plain, "plain") for i in range(plain)]
     order += [((i + 0.33) / max(slow, 1), "slow") for i in range(slow)]
     order += [((i + 0.66) / max(pause, 1), "pause") for i in range(pause)]
+    order += [((i + 0.8) / max(hog, 1), "hog") for i in range(hog)]
     return [kind for _, kind in sorted(order)]
+
+
+def start_hog(procs: int) -> list[subprocess.Popen]:
+    """Busy-looping processes: a machine-wide CPU hog, outside the job."""
+    return [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(procs)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plain", type=int, default=16)
+    parser.add_argument("--plain", type=int, default=14)
     parser.add_argument("--slow", type=int, default=2)
     parser.add_argument("--pause", type=int, default=2)
+    parser.add_argument("--hog", type=int, default=4, help="runs beside a background CPU hog")
+    parser.add_argument("--hog-procs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--slow-ms", type=float, default=30.0)
     parser.add_argument("--pause-at", type=int, default=50)
@@ -67,11 +79,17 @@ def main() -> int:
 
     rows: list[dict] = []
     counts: dict[str, int] = {}
-    for kind in schedule(args.plain, args.slow, args.pause):
+    for kind in schedule(args.plain, args.slow, args.pause, args.hog):
         counts[kind] = counts.get(kind, 0) + 1
         run_id = f"clean-{kind}-{counts[kind]:02d}"
         cmd = demo_cmd(kind, args, out, run_id)
-        res = launch(cmd, out / f"{run_id}.out", timeout_s=args.timeout)
+        hog = start_hog(args.hog_procs) if kind == "hog" else []
+        try:
+            res = launch(cmd, out / f"{run_id}.out", timeout_s=args.timeout)
+        finally:
+            for p in hog:
+                p.kill()
+                p.wait()
         findings = read_jsonl(out / run_id / "findings.jsonl")
         launcher_log = out / run_id / "launcher.log"
         done = launcher_log.exists() and "done:" in launcher_log.read_text(errors="replace")
@@ -96,7 +114,7 @@ def main() -> int:
               fmt(r["wall_s"], 1), fmt(r["load"])] for r in rows]
     totals_header = ["kind", "runs", "runs with findings", "findings", "exit != 0"]
     totals = []
-    for kind in ("plain", "slow", "pause"):
+    for kind in ("plain", "slow", "pause", "hog"):
         mine = [r for r in rows if r["kind"] == kind]
         if mine:
             totals.append([kind, str(len(mine)), str(sum(1 for r in mine if r["findings"])),
@@ -115,16 +133,16 @@ def main() -> int:
             f"{fmt(median(loads))}, max {fmt(max(loads))}",
             f"- {args.steps} steps per run; slow = {args.slow_ms:g} ms on every rank from step 0; pause = every rank "
             f"checkpoints and sleeps {args.pause_seconds:g} s after step {args.pause_at} (hang timeout 5 s); "
-            f"run dirs under `{out}`",
+            f"hog = {args.hog_procs} busy-looping processes beside the job; run dirs under `<out-dir>`",
             "- pass = zero findings and exit code 0",
             "", markdown_table(totals_header, totals), "", markdown_table(header, table), ""]
     body.append(f"Passed {len(rows) - len(failed)}/{len(rows)}." if not failed else
                 f"**Failed {len(failed)}/{len(rows)}:** " + "; ".join(
-                    f"`{r['run_id']}` ({r['run_dir']}): exit {r['code']}, findings "
+                    f"`{r['run_id']}`: exit {r['code']}, findings "
                     f"{[(f['kind'], f['culprits'], f['summary']) for f in r['findings']]}" for r in failed))
     if not args.no_record:
-        append_results("False positives on clean runs (benchmarks/clean_runs.py)", info, command_line(),
-                       "\n".join(body))
+        append_results("False positives on clean runs (benchmarks/clean_runs.py)", info,
+                       command_line().replace(str(out), "<out-dir>"), "\n".join(body))
     return 0 if not failed else 1
 
 
