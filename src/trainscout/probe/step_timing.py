@@ -83,9 +83,15 @@ class StepTiming:
         else:
             self._emit(fields, -1, -1)
         if self._cuda is not None:
-            self._ev_start = self._event()
-            self._ev_backward = self._ev_pre = None
-            self._drain_gpu()
+            try:
+                self._ev_start = self._event()
+                self._ev_backward = self._ev_pre = None
+                self._drain_gpu()
+            except Exception:  # fail open: no GPU timings from now on, CPU ones go on
+                self._cuda = None
+                for fields, *_ in self._gpu_pending:
+                    self._emit(fields, -1, -1)
+                self._gpu_pending.clear()
         self.last_wall_s = wall - self._wall
         if step > 1:
             self.total_wall_s += self.last_wall_s
@@ -116,7 +122,7 @@ class StepTiming:
     def _drain_gpu(self, force: bool = False) -> None:
         while self._gpu_pending:
             fields, a, b, c = self._gpu_pending[0]
-            if not c.query():  # non-blocking; later steps complete later on the same stream
+            if not (c.query() and b.query()):  # non-blocking; later steps complete later
                 if force or len(self._gpu_pending) > _GPU_PENDING_MAX:
                     self._gpu_pending.popleft()
                     self._emit(fields, -1, -1)
@@ -127,12 +133,12 @@ class StepTiming:
             self._free_events.extend((a, b, c))
 
     def flush(self) -> None:
-        if self._gpu_pending:
+        if self._gpu_pending and self._cuda is not None:
             try:
                 self._cuda.synchronize()  # at exit only
+                self._drain_gpu(force=True)
             except Exception:
                 pass
-            self._drain_gpu(force=True)
 
     # ---- hooks that feed it ------------------------------------------------------------------
     def patch_autograd(self, autograd_module) -> None:
