@@ -106,7 +106,7 @@ class CommStragglerWatch:
 
     def scheduled(self, request_id: int, pg: str, members: list[int], step: int, before_s: float, now_s: float,
                   now: float) -> None:
-        g = self.groups[pg]
+        g = self.groups.setdefault(pg, _Group())
         g.last_probe, g.probes = now, g.probes + 1
         self.probes[request_id] = _Probe(request_id, pg, list(members), step, before_s, now_s, now)
         for rank, seconds in self._early_links.pop(request_id, {}).items():
@@ -142,7 +142,7 @@ class CommStragglerWatch:
         if len(minima) >= 3:
             verdict = vote_statistical(minima, rel_threshold=LINK_REL, abs_threshold=LINK_ABS_S)
             if verdict.status == "attributed":
-                self.groups[probe.pg].reported = True
+                self.groups.setdefault(probe.pg, _Group()).reported = True
                 median = statistics.median(minima.values())
                 findings = []
                 for r in verdict.outliers:
@@ -178,7 +178,7 @@ class CommStragglerWatch:
         slow = [(k, s) for k, s in pairs.items() if s > PAIR_FACTOR * median and s - median > LINK_ABS_S]
         if not slow or 2 * len(slow) >= len(pairs):
             return []
-        self.groups[probe.pg].reported = True
+        self.groups.setdefault(probe.pg, _Group()).reported = True
         return [Finding(kind=STRAGGLER, culprit_ranks=[a, b], step=probe.step, pg=probe.pg, confidence=0.7,
                         summary=(f"slow link between ranks {a} and {b}: {s * 1e3:.1f} ms per exchange vs "
                                  f"{median * 1e3:.1f} ms between other pairs; {pg_note}"),

@@ -191,6 +191,8 @@ class Probe:
                                   "slots": len(sc._slots), "period_steps": sc.period_steps}
         if self.replay is not None:
             out["replay"] = {"seconds": self.replay.spent_s, "count": self.replay.count, "every": self.replay.every}
+        if self.link_probe is not None and self.link_probe.count:
+            out["link_probe"] = {"seconds": self.link_probe.spent_s, "count": self.link_probe.count}
         if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
             out["nonfinite"] = {"seconds": self.nonfinite.spent_s}
         return out

@@ -11,7 +11,7 @@ import json
 import os
 import statistics
 
-CHECKS = ("state_check", "nonfinite", "replay")
+CHECKS = ("state_check", "nonfinite", "replay", "link_probe")
 _NAME = "probe-cost.rank{}.json"
 
 

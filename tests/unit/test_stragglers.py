@@ -1,0 +1,130 @@
+"""Straggler logic on plain data: the fine tier, two ranks by arrival order, the communication trigger and
+the link-probe verdict, and the round-robin schedule the probe follows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainscout.detectors.comm_straggler import CommStragglerWatch
+from trainscout.detectors.straggler import StragglerDetector
+from trainscout.probe.link_probe import round_robin
+from trainscout.wire.messages import LinkRecord, StepRecord
+
+WORLD = (0, 1, 2, 3)
+
+
+def _feed(det, steps, world, cpu, wait=lambda r, s: 0.003, gpu=None, gpu_wait=None, seed=0, noise=0.08):
+    rng = random.Random(seed)
+    found = []
+    for s in steps:
+        for r in world:
+            n = 1 + rng.uniform(-noise, noise)
+            rec = StepRecord(step=s, wall_s=0.05, cpu_s=cpu(r, s) * n, data_s=0.0, ckpt_s=0.0, wait_s=wait(r, s),
+                             gpu_s=gpu(r, s) * n if gpu else -1.0, gpu_wait_s=gpu_wait(r, s) if gpu_wait else -1.0,
+                             pg_wait={"0": wait(r, s)})
+            det.add(r, [rec], 0.0)
+        found += det.update(0.0, set(world))
+    return found
+
+
+def test_ten_percent_straggler_is_named_by_the_fine_tier():
+    det = StragglerDetector()
+    found = _feed(det, range(1, 160), WORLD, lambda r, s: 0.02 * (1.1 if r == 1 and s > 20 else 1.0))
+    assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([1], "compute")]
+    assert 1.05 < found[0].evidence["ratio"] < 1.15 and "fine" in found[0].evidence["basis"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_healthy_ranks_give_no_finding(seed):
+    det = StragglerDetector()
+    assert _feed(det, range(1, 300), WORLD, lambda r, s: 0.02, seed=seed, noise=0.15) == []
+
+
+def test_two_ranks_name_the_slow_gpu_by_arrival_order():
+    det = StragglerDetector()
+    slow = lambda r, s: r == 1 and s > 10  # noqa: E731
+    found = _feed(det, range(1, 40), (0, 1), lambda r, s: 0.01,
+                  gpu=lambda r, s: 0.02 * (1.5 if slow(r, s) else 1.0),
+                  gpu_wait=lambda r, s: 0.001 if slow(r, s) or s <= 10 else 0.011)
+    assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([1], "compute")]
+    f = found[0]
+    assert f.confidence < 0.5 and f.evidence["basis"].startswith("arrival order")
+    assert f.evidence["measure"] == "GPU time to the end of backward"
+
+
+def test_two_ranks_slower_but_waiting_longer_is_not_named():
+    """Slower compute while also waiting longer contradicts arrival order: no finding."""
+    det = StragglerDetector()
+    found = _feed(det, range(1, 40), (0, 1), lambda r, s: 0.01, gpu=lambda r, s: 0.02 * (1.5 if r == 1 else 1.0),
+                  gpu_wait=lambda r, s: 0.011 if r == 1 else 0.001)
+    assert found == []
+
+
+def test_compute_straggler_does_not_trigger_a_link_probe():
+    det = StragglerDetector()
+    # its peers wait for it; its own wait stays flat
+    _feed(det, range(1, 120), WORLD, lambda r, s: 0.02 * (1.4 if r == 2 and s > 20 else 1.0),
+          wait=lambda r, s: 0.003 + (0.008 if s > 20 and r != 2 else 0.0))
+    assert det.comm.take_request() is None
+
+
+def test_slow_transport_triggers_a_link_probe_of_the_group():
+    det = StragglerDetector()
+    requests = []
+    rng = random.Random(1)
+    for s in range(1, 60):
+        for r in WORLD:
+            w = 0.003 * (1 + rng.uniform(-0.2, 0.2)) + (0.02 if s > 30 else 0.0)
+            det.add(r, [StepRecord(step=s, wall_s=0.05, cpu_s=0.02, data_s=0, ckpt_s=0, wait_s=w,
+                                   pg_wait={"0": w})], 0.0)
+        assert det.update(0.0, set(WORLD)) == []
+        req = det.comm.take_request()
+        if req:
+            requests.append((s, req))
+            det.comm.scheduled(7, req[0], req[1], s + 10, req[2], req[3], 0.0)
+    assert len(requests) == 1
+    step, (pg, members, before, now) = requests[0]
+    assert pg == "0" and members == [0, 1, 2, 3] and 30 < step <= 40 and now > 5 * before
+
+
+def _judge(results: dict[int, dict[int, float]]):
+    watch = CommStragglerWatch()
+    members = sorted(results)
+    watch.scheduled(3, "0", members, 50, 0.003, 0.023, 0.0)
+    for r, seconds in results.items():
+        watch.add_links(r, [LinkRecord(request_id=3, step=50, seconds=seconds)], 1.0)
+    return watch.judge(2.0)
+
+
+def test_link_probe_names_the_endpoint_slow_with_every_partner():
+    fast, slow = 0.001, 0.041
+    results = {r: {p: (slow if 1 in (r, p) else fast) for p in WORLD if p != r} for r in WORLD}
+    (f,) = _judge(results)
+    assert (f.culprit_ranks, f.evidence["type"], f.pg, f.evidence["endpoint"]) == ([1], "communication", "0", "rank 1")
+    assert f.evidence["ratio"] > 10
+
+
+def test_link_probe_names_a_slow_pair_as_a_slow_link():
+    results = {r: {p: (0.03 if {r, p} == {0, 3} else 0.001) for p in WORLD if p != r} for r in WORLD}
+    (f,) = _judge(results)
+    assert f.culprit_ranks == [0, 3] and f.evidence["endpoint"] == "link 0-3"
+
+
+def test_link_probe_without_a_slow_endpoint_gives_nothing():
+    results = {r: {p: 0.001 * (1 + 0.1 * ((r + p) % 3)) for p in WORLD if p != r} for r in WORLD}
+    assert _judge(results) == []
+
+
+def test_link_probe_with_two_ranks_is_inconclusive():
+    (f,) = _judge({0: {1: 0.04}, 1: {0: 0.04}})
+    assert f.status == "inconclusive" and f.culprit_ranks == [0, 1]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_round_robin_meets_every_pair_once(n):
+    rounds = round_robin(list(range(n)))
+    met = [tuple(sorted((a, b))) for pairs in rounds for a, b in pairs.items() if a < b]
+    assert sorted(met) == [(a, b) for a in range(n) for b in range(a + 1, n)]
+    assert all(pairs[pairs[a]] == a for pairs in rounds for a in pairs)  # partners agree
