@@ -14,33 +14,35 @@ from typing import Callable
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, callback: Callable) -> None:
+    def __init__(self, inner: importlib.abc.Loader, callbacks: list[Callable]) -> None:
         self._inner = inner
-        self._callback = callback
+        self._callbacks = callbacks
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module) -> None:
         self._inner.exec_module(module)
-        self._callback(module)
+        for callback in self._callbacks:  # in registration order: later patches wrap earlier ones
+            callback(module)
 
 
 class PostImportHooks(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
-        self._callbacks: dict[str, Callable] = {}
+        self._callbacks: dict[str, list[Callable]] = {}
         self._resolving: set[str] = set()
 
     def on_import(self, name: str, callback: Callable) -> None:
-        """Call callback(module) once the module is imported (at once when it already is)."""
+        """Call callback(module) once the module is imported (at once when it already is). Several
+        callbacks for one module all run, in the order they were registered."""
         if name in sys.modules and getattr(sys.modules[name], "__spec__", None) is not None:
             callback(sys.modules[name])
             return
-        self._callbacks[name] = callback
+        self._callbacks.setdefault(name, []).append(callback)
 
     def find_spec(self, fullname, path, target=None):
-        callback = self._callbacks.get(fullname)
-        if callback is None or fullname in self._resolving:
+        callbacks = self._callbacks.get(fullname)
+        if callbacks is None or fullname in self._resolving:
             return None
         self._resolving.add(fullname)
         try:
@@ -50,7 +52,7 @@ class PostImportHooks(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return None
         del self._callbacks[fullname]
-        spec.loader = _PatchingLoader(spec.loader, callback)
+        spec.loader = _PatchingLoader(spec.loader, callbacks)
         return spec
 
 
