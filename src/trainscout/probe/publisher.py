@@ -54,6 +54,7 @@ class Publisher(threading.Thread):
         self._recorded: dict[str, int] = {}  # pg -> highest seq ingested from the Flight Recorder
         self._synced: "OrderedDict[tuple[str, int], int]" = OrderedDict()  # written by the wrappers
         self._pg_table_keys: frozenset = frozenset()
+        self._roles: dict[str, dict] = {}  # pg name -> {"role", "framework"} declared by an integration
         self._collectives = 0
         self._mismatch = 0
         self._collectives_ok = True
@@ -116,6 +117,15 @@ class Publisher(threading.Thread):
         """Append a non-collective record (state fingerprint, non-finite event) from any thread."""
         with self.lock:
             self.writer.append(*record)
+
+    def set_role(self, group, role: str, framework: str) -> None:
+        """An integration says what a group is for (see trainscout.integrations); the first word stays."""
+        name = str(group.group_name)
+        if name in self._roles:
+            return
+        with self.lock:
+            self._roles[name] = {"role": role, "framework": framework}
+            self._write_pg_table()
 
     def _index_of(self, pg_name: str) -> int:
         idx = self._pg_index.get(pg_name)
@@ -186,7 +196,7 @@ class Publisher(threading.Thread):
         # the ring stores a pg index; the agent maps it back through this order
         for name in table:
             self._pg_index.setdefault(name, len(self._pg_index))
-        doc = {"index": dict(self._pg_index), "groups": table}
+        doc = {"index": dict(self._pg_index), "groups": table, "roles": dict(self._roles)}
         path = pg_table_path(self.run_id, self.rank)
         tmp = f"{path}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as fh:

@@ -8,6 +8,7 @@ agent or coordinator dies, training goes on and the run ends with a message that
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -258,8 +259,19 @@ class Supervisor:
         cost = probe_costs.summary_line(self.run_dir)
         if cost:
             notes.append(cost)
+        topology = _topology_line(self.run_dir)
+        if topology:
+            notes.insert(0, topology)
         write_summary(os.path.join(self.run_dir, "summary.md"), run_id=self.run_id, command=self.opts.command,
                       exit_code=code, findings=findings, notes=notes, started=self.started, ended=time.time())
         n = len(findings)
         self.console.info(f"{n} finding{'s' if n != 1 else ''}; report: {os.path.join(self.run_dir, 'summary.md')}")
 
+
+def _topology_line(run_dir: str) -> str:
+    """The coordinator's last view of the groups and replicas (topology.json), as one line."""
+    try:
+        with open(os.path.join(run_dir, "topology.json")) as fh:
+            return str(json.load(fh)["line"])
+    except (OSError, ValueError, KeyError):
+        return ""

@@ -36,6 +36,14 @@ if os.environ.get("TRAINSCOUT_RUN_ID") and os.environ.get("RANK") is not None:
             sys.path.append(_pkg)
         from trainscout.probe.probe import start
 
-        start()
+        _probe = start()
     except Exception as exc:
+        _probe = None
         print(f"trainscout: probe disabled in this rank: {exc!r}", file=sys.stderr)
+    if _probe is not None:
+        try:  # framework integrations: what each process group is for (topology)
+            from trainscout.integrations import install_in_probe
+
+            install_in_probe(_probe)
+        except Exception as exc:
+            print(f"trainscout: framework integrations disabled in this rank: {exc!r}", file=sys.stderr)
