@@ -2,14 +2,20 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainscout-installed
+# DeepSpeed ships as a source archive that imports torch to build: install it after torch, into the
+# same environment (no build isolation), with its compiled ops left out (they build on first use)
+DEEPSPEED := deepspeed==0.19.8
 
 .PHONY: venv demo test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED)"
+	# DeepSpeed compiles its CPU shared-memory collective on the first job; build it once here
+	$(PY) -c 'from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder("ShareMemCommBuilder"); b.load() if b is not None and b.is_compatible() else None'
 	touch $(STAMP)
 
 venv: $(STAMP)
