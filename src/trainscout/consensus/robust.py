@@ -93,6 +93,58 @@ def vote_statistical(
     return Verdict(ATTRIBUTED, tuple(suspect_ids), median, evidence)
 
 
+def vote_against_peers(
+    samples: Mapping[int, float],
+    *,
+    rel_threshold: float,
+    abs_threshold: float,
+    z_threshold: float = 5.0,
+    min_members: int = 3,
+    exact_below: int = 32,
+) -> Verdict:
+    """Like vote_statistical, but each member is judged against its peers only (leave-one-out).
+
+    With few members the class median and MAD include the suspect (and any healthy member that is fast
+    for its own reasons), which shrinks the gap and inflates the spread: with 4 ranks at 0.8, 1.0, 1.0 and
+    1.3 the slow one has z = 2 against all, but stands 30 % above a tight group of peers. Below
+    `exact_below` members the peers' median and MAD are computed exactly; above, one member barely moves
+    them and the class statistics stand in. The ratio in the evidence is the member over its peers' median.
+    """
+    n = len(samples)
+    items = [(int(m), float(v)) for m, v in samples.items()]
+    if not all(math.isfinite(v) for _, v in items):
+        raise ValueError("timing samples must be finite")
+    if n == 0:
+        return Verdict(AGREE, (), None, {"n": 0})
+    values = [v for _, v in items]
+    median, mad = median_mad(values)
+    evidence: dict[str, Any] = {"n": n, "median": median, "mad": mad}
+    suspects = []
+    for member, v in items:
+        if v <= median:
+            continue  # never slower than its peers' median
+        if n < exact_below:
+            peers = [x for m, x in items if m != member]
+            p_median, p_mad = median_mad(peers) if peers else (v, 0.0)
+        else:
+            p_median, p_mad = median, mad
+        scale = MAD_TO_SIGMA * max(p_mad, MAD_FLOOR_FRACTION * abs(p_median), MAD_FLOOR_ABS)
+        excess = v - p_median
+        if excess > rel_threshold * p_median and excess > abs_threshold and (
+                n < min_members or excess / scale > z_threshold):
+            suspects.append((member, v / p_median if p_median > 0 else None, excess / scale))
+    if not suspects:
+        return Verdict(AGREE, (), median, evidence)
+    suspects.sort()
+    suspect_ids = [m for m, _, _ in suspects]
+    evidence["ratios"] = {m: r for m, r, _ in suspects}
+    evidence["z"] = {m: z for m, _, z in suspects}
+    if n < min_members or 2 * len(suspect_ids) >= n:
+        evidence["suspects"] = suspect_ids
+        return Verdict(INCONCLUSIVE, (), None, evidence)
+    return Verdict(ATTRIBUTED, tuple(suspect_ids), median, evidence)
+
+
 class Persistence:
     """Confirms a member only after it was an outlier in at least k of the last m observations it took part in.
 

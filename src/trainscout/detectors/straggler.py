@@ -3,10 +3,12 @@
 Data-parallel ranks do the same work per step and wait for each other, so wall time per step is equal
 across them; what differs is how the step was spent. Per step, a statistical C3 vote (median, relative
 AND absolute thresholds, robust z) flags the slow side, in two tiers:
-- fast: each rank's median over its last 8 steps, 20 % above its peers' (a 30 % straggler is named in
-  about 10 steps);
+- fast: each rank's median over its last 8 steps, 20 % above the median of its peers (a 30 % straggler
+  is named in about 10 steps);
 - fine: each rank's median over its last 32 steps of its time relative to the same step's peers (the
   step-to-step swings of a shared machine cancel), 6 % above its peers (a 10 % straggler).
+Each rank is judged against its peers only (leave-one-out): with 4 ranks the class median and spread
+would include the slow rank itself, and any healthy rank that is fast for its own reasons.
 Persistence turns flags into a finding (6 of the last 8, or 12 of the last 16 evaluations); regularly
 spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period.
 Compute is the GPU time from the step's start to the end of backward where the job runs on CUDA (all
@@ -22,7 +24,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from trainscout.consensus import vote_statistical
+from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.findings import STRAGGLER, Finding
 from trainscout.wire.messages import LinkRecord, StepRecord
@@ -37,17 +39,16 @@ class Metric:
 
 
 METRICS = (
-    # 15 % over the median of all ranks (which the slow one pulls up: ~20 % over its peers); healthy ranks
-    # on heavily oversubscribed cores showed 8-step CPU medians up to ~16 % apart for the same work, but
-    # not persistently: 6 of 8 evaluations keep such swings from becoming a finding
-    Metric("cpu_s", "compute", rel=0.15, abs_s=0.002),
+    # 20 % over the median of its peers: healthy ranks on heavily oversubscribed cores showed 8-step CPU
+    # medians up to ~16 % apart for the same work, but not persistently (6 of 8 evaluations)
+    Metric("cpu_s", "compute", rel=0.2, abs_s=0.002),
     Metric("data_s", "data_loading", rel=0.5, abs_s=0.02),
     Metric("ckpt_s", "checkpoint_write", rel=0.5, abs_s=0.05),
 )
 FINE_WINDOW = 32
 FINE_REL = 0.06
 FINE_ABS_S = 0.001
-FINE_Z = 3.0  # on 32-step medians of step-normalised values; 5 is for raw per-step samples
+PEER_Z = 5.0  # robust z of a rank's windowed value against its peers' median and MAD (leave-one-out)
 FINE_K, FINE_M = 12, 16
 TWO_RANK_CONFIDENCE = 0.4
 
@@ -122,7 +123,8 @@ class StragglerDetector:
         windowed = self._windowed(samples, metric)
         outliers: set[int] = set()
         if len(windowed) >= 3:
-            verdict = vote_statistical(windowed, rel_threshold=metric.rel, abs_threshold=metric.abs_s)
+            verdict = vote_against_peers(windowed, rel_threshold=metric.rel, abs_threshold=metric.abs_s,
+                                         z_threshold=PEER_Z)
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
         self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
                            sorted(spikes)))
@@ -167,7 +169,8 @@ class StragglerDetector:
                 norm[r] = statistics.median(w)
         if len(norm) < 3:
             return [], False
-        verdict = vote_statistical(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now, z_threshold=FINE_Z)
+        verdict = vote_against_peers(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now,
+                                     z_threshold=PEER_Z)
         outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
         out = []
         for r in norm:
