@@ -228,16 +228,13 @@ class NonFiniteCheck:
             if self._bucket_norms:
                 named, self._bucket_norms = self._bucket_norms, []
                 self._submit(step, loss, [n for _, n in named], tuple(name for name, _ in named), norms=True)
-            else:
+            elif not (self._counts_ok and self._submit_counts(step, loss)):
                 grads = [p.grad for p in self._device_params]
                 names = self._device_names
                 if any(g is None for g in grads):
                     kept = [(n, g) for n, g in zip(names, grads) if g is not None]
                     grads, names = [g for _, g in kept], [n for n, _ in kept]
-                elif self._counts_ok and self._submit_counts(step, loss, grads):
-                    grads = None
-                if grads is not None:
-                    self._submit(step, loss, grads, tuple(names))
+                self._submit(step, loss, grads, tuple(names))
         except Exception as exc:  # never raise into the autograd engine
             self._disable(exc)
         self.spent_s += time.perf_counter() - t0
@@ -278,22 +275,30 @@ class NonFiniteCheck:
         self._results.submit(slot, len(parts), (step, names))
         self.device_checks += 1
 
-    def _submit_counts(self, step: int, loss, grads: list) -> bool:
-        """The counting kernel over [loss] + grads (see nonfinite_cuda); False when it cannot take them
-        this step (the caller then uses the foreach-norm path)."""
+    def _submit_counts(self, step: int, loss) -> bool:
+        """The counting kernel over the loss and the local gradients (see nonfinite_cuda); False when it
+        cannot take them this step (a gradient missing, strided or resized: the caller then uses the
+        foreach-norm path). One pass over the parameters: this is the per-step host cost."""
         try:
             from trainscout.probe import nonfinite_cuda
 
-            ptrs = [loss.data_ptr()]
-            for g in grads:
-                if not g.is_contiguous():
-                    return False
-                ptrs.append(g.data_ptr())
+            params = self._device_params
             layout = self._layout
-            if layout is None or not layout.matches([loss] + grads):
-                if not nonfinite_cuda.usable([loss] + grads):
+            if layout is None or not layout.matches(loss, 1 + len(params)):
+                grads = [p.grad for p in params]
+                if any(g is None for g in grads) or not nonfinite_cuda.usable([loss] + grads):
                     return False
                 layout = self._layout = nonfinite_cuda.Layout([loss] + grads)
+            ptrs = [loss.data_ptr()]
+            append = ptrs.append
+            for p, nbytes in zip(params, layout.nbytes[1:]):
+                g = p.grad
+                if g is None or not g.is_contiguous():
+                    return False
+                if g.nbytes != nbytes:  # never read past a gradient: lay out again next time
+                    self._layout = None
+                    return False
+                append(g.data_ptr())
             if self._results is None:
                 import torch
 

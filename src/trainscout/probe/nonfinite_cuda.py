@@ -98,6 +98,7 @@ class Layout:
         self.n = len(tensors)
         self.dtypes = [t.dtype for t in tensors]
         self.numels = [t.numel() for t in tensors]
+        self.nbytes = [t.numel() * t.element_size() for t in tensors]  # checked per step: no read past a tensor
         self.groups = []  # (dtype, tensor indices, items table on the device, first output, items)
         owners: list[int] = []
         table_pos = 0
@@ -124,15 +125,16 @@ class Layout:
         self.n_out = len(owners)
         self.owner = np.asarray(owners, dtype=np.int64)  # output position -> tensor index (0: the loss)
 
-    def matches(self, tensors: list[torch.Tensor]) -> bool:
-        return len(tensors) == self.n and tensors[0].dtype == self.dtypes[0] and tensors[0].device == self.device
+    def matches(self, loss: torch.Tensor, n: int) -> bool:
+        """Still the layout for this loss and n tensors in all (the gradients' sizes are checked per step)."""
+        return n == self.n and loss.dtype == self.dtypes[0] and loss.device == self.device
 
 
 class _Table:
     """One result slot's offset table: pinned host memory and its device copy. Rewritten only when the
     slot is taken again, i.e. after the event behind its last copy completed."""
 
-    __slots__ = ("host", "host_np", "device", "ref")
+    __slots__ = ("host", "host_np", "device", "ref", "ptrs", "units")
 
     def __init__(self, n: int, device) -> None:
         self.host = torch.zeros(max(n, 1), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -140,7 +142,8 @@ class _Table:
         self.host_np[:] = -1  # nothing valid uploaded yet
         self.device = torch.empty(max(n, 1), dtype=torch.int64, device=device)
         self.ref = self.device.data_ptr()
-
+        self.ptrs: list[int] = []  # the addresses the table holds now (usually the same every step)
+        self.units: list[int] = []  # per group: UNIT of its offsets
 
 _compiled: dict[tuple, object] = {}
 _direct_ok = [True]
@@ -157,28 +160,24 @@ def enqueue(layout: Layout, ptrs: list[int], out: torch.Tensor, slot) -> None:
     table = slot.aux
     if not isinstance(table, _Table) or table.host_np.size < layout.table_len or table.device.device != layout.device:
         table = slot.aux = _Table(layout.table_len, layout.device)
-    addr = np.asarray(ptrs, dtype=np.int64)
-    rel = addr - table.ref
-    launches = []
-    dirty = False
-    for dtype, idx, items, out_first, n_items, pos in layout.groups:
-        esize = _ESIZE[dtype]
-        r = rel[idx]
-        if (r % ALIGN).any():
-            if (r % esize).any():
-                raise ValueError("a tensor address is not a multiple of its element size")
-            unit, toff = 1, r // esize
-        else:
-            unit, toff = ALIGN // esize, r // ALIGN
-        view = table.host_np[pos:pos + len(idx)]
-        if not np.array_equal(view, toff):
-            view[:] = toff
-            dirty = True
-        launches.append((dtype, unit, items, out_first, n_items, pos))
-    if dirty:
+    if ptrs != table.ptrs:  # the caching allocator mostly hands out the same addresses: then nothing to do
+        rel = np.asarray(ptrs, dtype=np.int64) - table.ref
+        units = []
+        for dtype, idx, _, _, _, pos in layout.groups:
+            esize = _ESIZE[dtype]
+            r = rel[idx]
+            if (r % ALIGN).any():
+                if (r % esize).any():
+                    raise ValueError("a tensor address is not a multiple of its element size")
+                unit, toff = 1, r // esize
+            else:
+                unit, toff = ALIGN // esize, r // ALIGN
+            table.host_np[pos:pos + len(idx)] = toff
+            units.append(unit)
         table.device.copy_(table.host, non_blocking=True)
+        table.ptrs, table.units = ptrs, units
     stream = None
-    for dtype, unit, items, out_first, n_items, pos in launches:
+    for (dtype, _, items, out_first, n_items, pos), unit in zip(layout.groups, table.units):
         int_dtype, exp = _BITS[dtype]
         key = (layout.device.index, dtype, unit)
         kernel = _compiled.get(key) if _direct_ok[0] else None
