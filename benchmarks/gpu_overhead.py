@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO / "benchmarks" / "gpu_workload.py"
 SIDES = ("baseline", "trainscout", "peer")
+VARIANTS: dict[str, dict] = {}  # extra trainscout sides: name -> environment (--variant), e.g. a check off
 WORKLOADS = {
     "a": {"label": "DDP, hidden 512 / 4 layers / seq 128 / batch 4",
           "args": ["--hidden", "512", "--layers", "4", "--seq", "128", "--batch", "4"]},
@@ -65,7 +66,7 @@ def command(side: str, workload: str, timing: str, run_dir: str, run_id: str) ->
            *WORKLOADS[workload]["args"], "--timing-file", timing]
     if side == "peer":
         return job + ["--scout"]
-    if side == "trainscout":
+    if side == "trainscout" or side in VARIANTS:
         return [sys.executable, "-m", "trainscout", "run", "--console", "plain", "--run-dir", run_dir,
                 "--run-id", run_id, "--", *job]
     return job
@@ -75,7 +76,7 @@ def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extr
     run_id = f"{workload}-{side}-{rep}"
     timing = str(work / f"{run_id}-{{rank}}.json")
     cmd = command(side, workload, timing, str(work / "runs"), run_id)
-    env = {**os.environ, **(extra_env if side == "trainscout" else {})}
+    env = {**os.environ, **(extra_env if side == "trainscout" else VARIANTS.get(side, {}))}
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
@@ -90,7 +91,7 @@ def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extr
             row["ranks"][str(rank)] = json.loads(path.read_text())
     if rc != 0 or len(row["ranks"]) < 2:
         row["tail"] = out[-4000:] if isinstance(out, str) else str(out)[-4000:]
-    if side == "trainscout":
+    if side == "trainscout" or side in VARIANTS:
         findings = work / "runs" / run_id / "findings.jsonl"
         row["findings"] = findings.read_text().splitlines() if findings.exists() else []
     return row
@@ -109,7 +110,7 @@ def summarise(rows: list[dict]) -> dict:
     """(workload, side) -> statistics over the successful runs."""
     out: dict = {}
     for w in dict.fromkeys(r["workload"] for r in rows):
-        for side in SIDES:
+        for side in (*SIDES, *VARIANTS):
             runs = [r for r in rows if r["workload"] == w and r["side"] == side and r["rc"] == 0
                     and len(r["ranks"]) == 2]
             failed = [r for r in rows if r["workload"] == w and r["side"] == side and r not in runs]
@@ -146,7 +147,7 @@ def markdown(rows: list[dict], header: list[str]) -> str:
                   "| GPU peak MiB (median of runs, max over ranks) | GPU peak vs baseline "
                   "| host RSS MiB rank 0 / 1 (peak) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for side in SIDES:
+        for side in (*SIDES, *VARIANTS):
             s = stats.get((w, side))
             if not s or not s["n"]:
                 lines.append(f"| {side} | 0/{s['failed'] if s else 0} | | | | | | | | | |")
@@ -165,11 +166,10 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         ts = stats.get((w, "trainscout"), {})
         if ts.get("findings"):
             lines += ["", f"trainscout findings on these healthy runs: {ts['findings']}"]
-        probes = [r["ranks"]["0"].get("trainscout") for r in rows if r["workload"] == w
-                  and r["side"] == "trainscout" and "0" in r["ranks"]]
-        for p in probes:
+        for r in rows:
+            p = r["ranks"].get("0", {}).get("trainscout") if r["workload"] == w else None
             if p:
-                lines += ["", f"trainscout probe, rank 0, at the end of a run: {json.dumps(p, sort_keys=True)}"]
+                lines += ["", f"{r['side']} probe, rank 0, at the end of run {r['rep']}: {json.dumps(p, sort_keys=True)}"]
         lines.append("")
     failures = [r for r in rows if r["rc"] != 0 or len(r["ranks"]) < 2]
     for r in failures:
@@ -307,6 +307,9 @@ def main() -> int:
     ap.add_argument("--markdown", default="", help="write the section here")
     ap.add_argument("--label", default="")
     ap.add_argument("--trainscout-env", action="append", default=[], metavar="K=V")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V[,K=V]",
+                    help="an extra trainscout side with this environment (e.g. ts-no-state:TRAINSCOUT_STATE_CHECK=0), "
+                         "interleaved with the others; add NAME to --sides")
     ap.add_argument("--report", nargs="*", help="render a section from raw files instead of running")
     ap.add_argument("--probe-cost", default="", metavar="WORKLOAD",
                     help="instead: the per-step CUDA checks' cost, in place in one process (see probe_cost)")
@@ -328,6 +331,9 @@ def main() -> int:
             Path(args.markdown).write_text(text)
         return 0
     extra_env = dict(kv.split("=", 1) for kv in args.trainscout_env)
+    for spec in args.variant:
+        name, _, kvs = spec.partition(":")
+        VARIANTS[name] = dict(kv.split("=", 1) for kv in kvs.split(",") if kv)
     sides = [s for s in args.sides.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="trainscout-gpu-overhead-"))
     rows: list[dict] = []
@@ -350,7 +356,7 @@ def main() -> int:
               f"- command: `python3 {' '.join(sys.argv)}`",
               f"- {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
               "step times, 40 measured steps after 10 warm-up per run",
-              f"- trainscout env: {extra_env or 'defaults'}"]
+              f"- trainscout env: {extra_env or 'defaults'}; variants: {VARIANTS or 'none'}"]
     text = markdown(rows, header)
     print(text)
     if args.markdown:
