@@ -52,3 +52,12 @@ def test_rank_span():
     assert rank_span([3, 1, 2, 0]) == "[0-3]"
     assert rank_span([0, 2]) == "[0,2]"
     assert rank_span([0, 1]) == "[0,1]"
+
+
+def test_groups_of_one_rank_are_left_out_of_the_line_and_many_others_are_counted():
+    # Megatron-Core with TP=2 on 2 ranks: data/pipeline groups of one rank, many undeclared helper groups
+    per_rank = {r: [_g("1", [0, 1], "tensor", "Megatron-Core"), _g(f"{2 + r}", [r], "replicate", "Megatron-Core")]
+                + [_g(str(10 + i), [0, 1]) for i in range(9)] + [_g(str(30 + r), [r])] for r in range(2)}
+    line = build(per_rank)["line"]
+    assert line == ("topology: 2 ranks; Megatron-Core: tensor [0,1]; no replicas (no group holds the same "
+                    "parameters twice); other groups 10[0,1] 11[0,1] 12[0,1] 13[0,1] 14[0,1] 15[0,1] and 3 more")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 ROLE_ORDER = ("replicate", "shard", "tensor", "pipeline", "context", "expert")
+MAX_OTHER_GROUPS = 6  # the line names this many undeclared groups, then counts the rest
 
 
 def rank_span(ranks: Iterable[int]) -> str:
@@ -48,11 +49,11 @@ def build(groups_by_rank: Mapping[int, Iterable[Mapping]]) -> dict:
 
 
 def describe(doc: Mapping) -> str:
-    """One line for the console and the report."""
+    """One line for the console and the report (groups of one rank, which never wait for anyone, left out)."""
     parts = [f"{len(doc['ranks'])} ranks"]
     by_role: dict[tuple[str, str], list[dict]] = {}
     for g in doc["groups"]:
-        if g["role"]:
+        if g["role"] and len(g["members"]) > 1:
             by_role.setdefault((g["framework"], g["role"]), []).append(g)
 
     def order(key):
@@ -71,9 +72,11 @@ def describe(doc: Mapping) -> str:
         parts.append("no replicas (no group holds the same parameters twice)")
     else:
         parts.append("roles unknown (no framework integration saw how the groups are used)")
-    others = [g for g in doc["groups"] if not g["role"]]
+    others = [g for g in doc["groups"] if not g["role"] and len(g["members"]) > 1]
     if others:
-        parts.append("other groups " + " ".join(f"{g['name']}{rank_span(g['members'])}" for g in others))
+        shown = " ".join(f"{g['name']}{rank_span(g['members'])}" for g in others[:MAX_OTHER_GROUPS])
+        more = len(others) - MAX_OTHER_GROUPS
+        parts.append("other groups " + shown + (f" and {more} more" if more > 0 else ""))
     return "topology: " + "; ".join(parts)
 
 
