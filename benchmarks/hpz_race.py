@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -55,6 +56,7 @@ class Runner:
         self.started = time.monotonic()
         self.logs: list[str] = []
         self.port = 29700
+        self.lock = threading.Lock()
 
     def left_s(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.started)
@@ -70,9 +72,11 @@ class Runner:
     def job(self, name: str, worker: list[str], *, trainscout: dict | None = None, env: dict | None = None,
             timeout: float = 300.0) -> dict:
         """One torchrun job (under `trainscout run` when trainscout is a dict of its environment)."""
-        self.port += 1
+        with self.lock:
+            self.port += 1
+            port = self.port
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.args.nproc),
-                  "--master-port", str(self.port), *worker]
+                  "--master-port", str(port), *worker]
         run_dir = self.work / "runs"
         run_id = f"hpz-{name}-{uuid.uuid4().hex[:6]}"
         cmd = launch if trainscout is None else [sys.executable, "-m", "trainscout", "run", "--run-dir", str(run_dir),
@@ -165,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--socket-rate", default="12500mbit")
     ap.add_argument("--phases", default="ref,unsafe,stall,event,bench,socket")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip phases once this much time has passed")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="run ref, a second ref, unsafe and event at once on the same GPUs (correctness only: "
+                         "their timings mean nothing), then the other phases")
     args = ap.parse_args(argv)
     r = Runner(args)
     phases = args.phases.split(",")
@@ -190,6 +197,22 @@ def main(argv=None) -> int:
             return False
         return True
 
+    if args.side_by_side:
+        from concurrent.futures import ThreadPoolExecutor
+
+        jobs = {"ref": (["--hpz", "1", *steps], None),
+                "ref2": (["--hpz", "1", *steps], None),
+                "unsafe": (["--hpz", "2", "--fix", "unsafe", "--truth", *delay, *steps],
+                           {"TRAINSCOUT_HPZ_FIX": "unsafe", "TRAINSCOUT_REPLAY_EVERY": "0"}),
+                "event": (["--hpz", "2", "--fix", "event", "--truth", *delay, *steps],
+                          {"TRAINSCOUT_HPZ_FIX": "event", "TRAINSCOUT_REPLAY_EVERY": "0"})}
+        jobs = {k: v for k, v in jobs.items() if k in phases}
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = {k: pool.submit(r.train_job, k, extra, trainscout=ts) for k, (extra, ts) in jobs.items()}
+            for k, fut in futures.items():
+                res[k] = fut.result()
+        phases = [p for p in phases if p not in jobs]
+        save()
     if want("ref", 30):
         res["ref"] = r.train_job("ref", ["--hpz", "1", *steps])
         save()
@@ -229,6 +252,10 @@ def main(argv=None) -> int:
 def report(res: dict) -> str:
     lines = [f"# hpZ race results {res.get('date')}", f"GPUs: {res.get('nvidia_smi')}", ""]
     ref = res.get("ref", {}).get("result", {})
+    if ref and res.get("ref2", {}).get("result"):
+        same = compare_losses(ref["losses"], res["ref2"]["result"]["losses"])
+        res["ref2"]["summary"] = {"vs_ref": same}
+        lines.append(f"- ref2 (ZeRO-3 without hpZ again: run-to-run control): {same}")
     for name in ("unsafe", "stall", "event"):
         ph = res.get(name)
         if not ph:

@@ -4,8 +4,11 @@ DeepSpeed ZeRO-3 gathers a module's parameters before its forward and releases t
 hierarchical partitioning the release fills the secondary partition, and the backward gathers the
 parameters again from it. `DeepSpeedZeRoOffload` is wrapped (a post-import hook) at two points: just
 before the forward release (the parameters still hold what forward used) and just after the backward
-fetch (they hold what backward will use). On a rotation over modules (module `ds_id` modulo
-`TRAINSCOUT_HPZ_PERIOD`, the same on every rank), each checked parameter is fingerprinted at both points
+fetch (they hold what backward will use). Checked are, every step, the last two modules the previous
+forward released (their backward gather follows their release most closely, where an unordered copy is
+most likely still pending: on 2 H200s the deterministic race hit exactly one parameter per step, the
+output head) and, on a rotation, one module in `TRAINSCOUT_HPZ_PERIOD` (module `ds_id` modulo the period,
+the same on every rank). Each checked parameter is fingerprinted at both points
 in byte ranges, one per member of the secondary group (the range a member's secondary partition holds),
 and the records go to the coordinator (`detectors/hpz.py`), which names the member whose range differs.
 
@@ -49,11 +52,12 @@ def chunk_ranges(numel: int, elem_size: int, partition_world: int, group_size: i
 
 class HpzCheck:
     def __init__(self, append, get_step, register_tensor, period: int = 4, mode_of=lambda: "stall",
-                 on_error=None) -> None:
+                 on_error=None, tail: int = 2) -> None:
         self.append = append
         self.get_step = get_step
         self.register_tensor = register_tensor  # name -> tensor id in the shared tensor table
         self.period = max(1, period)
+        self.tail = max(0, tail)
         self.mode_of = mode_of  # the fix mode this rank runs with (recorded with every fingerprint)
         self.on_error = on_error or (lambda text: None)
         self.enabled = True
@@ -65,6 +69,10 @@ class HpzCheck:
         self._due_backward: set[tuple[int, int]] = set()  # (step, id(module)) checked in forward
         self._results = None  # DeviceResults, made when a CUDA parameter shows up
         self._published_step = -1
+        self._released: dict[int, bool] = {}  # id(module) -> it has own parameters that hpZ releases
+        self._order: list[int] = []  # ds_ids of such modules in this step's forward, in release order
+        self._order_step = -1
+        self._tail: set[int] = set()  # the last `tail` of them in the previous step's forward
 
     # ---- installation -----------------------------------------------------------------------
     def wrap(self, module) -> None:
@@ -103,7 +111,18 @@ class HpzCheck:
         step = self.get_step() + 1  # the step being computed
         self._publish(step)
         ds_id = getattr(sub_module, "ds_id", None)
-        if ds_id is None or not sub_module.training or ds_id % self.period != step % self.period:
+        if ds_id is None or not sub_module.training:
+            return
+        if step != self._order_step:  # first release of a new step
+            self._tail = set(self._order[-self.tail:]) if self.tail else set()
+            self._order, self._order_step = [], step
+        released = self._released.get(id(sub_module))
+        if released is None:
+            released = self._released[id(sub_module)] = any(
+                not getattr(p, "ds_persist", True) for p in sub_module.parameters(recurse=False))
+        if released:
+            self._order.append(ds_id)
+        if ds_id % self.period != step % self.period and ds_id not in self._tail:
             return
         params = self._params(offload, sub_module, backward=False)
         if params:

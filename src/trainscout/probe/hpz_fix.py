@@ -44,8 +44,12 @@ _COORDINATOR_MODULE = "deepspeed.runtime.zero.partitioned_param_coordinator"
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
     parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = ""
+        for ch in piece:  # leading digits only: "0rc1" is 0
+            if not ch.isdigit():
+                break
+            digits += ch
         if not digits:
             return None
         parts.append(int(digits))
@@ -57,6 +61,15 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
 def version_supported(text: str) -> bool:
     v = parse_version(text)
     return v is not None and TESTED[0] <= v < TESTED[1]
+
+
+def _copies(param, args, kwargs) -> bool:
+    """Whether DeepSpeed's secondary-partition function will copy (and so stall) for this call: the
+    parameter is gathered, and its secondary partition is missing or stale (`has_been_updated`)."""
+    if getattr(getattr(param, "ds_status", None), "name", "") != "AVAILABLE":
+        return False
+    updated = kwargs.get("has_been_updated", args[1] if len(args) > 1 else False)
+    return getattr(param, "ds_secondary_tensor", None) is None or bool(updated)
 
 
 def _source_through_decorators(fn, depth: int = 3) -> str:
@@ -92,6 +105,8 @@ class HpzFix:
         self.kept_stall = 0  # copies for which no separate all-gather stream was known: DeepSpeed's stall ran
         self._tls = threading.local()
         self._event = None
+        self._pending: dict[int, object] = {}  # id(param) -> event recorded behind its latest secondary copy
+        self._events: dict[int, object] = {}  # id(param) -> its reusable event
         self._announced = False
 
     # ---- installation -----------------------------------------------------------------------
@@ -161,6 +176,39 @@ class HpzFix:
         _partition_param_sec.__doc__ = real.__doc__
         init_cls._partition_param_sec = _partition_param_sec
         self.state = "installed" if why is None else f"left-alone: {why}"
+        real_convert = getattr(init_cls, "_convert_to_deepspeed_param", None)
+        if why is None and real_convert is not None:
+            def _convert_to_deepspeed_param(init, param, *args, **kwargs):
+                result = real_convert(init, param, *args, **kwargs)
+                gather = getattr(param, "all_gather_coalesced", None)
+                if callable(gather):
+                    param.all_gather_coalesced = fix.ordered_gather(gather)
+                    param._trainscout_ordered = True
+                return result
+
+            _convert_to_deepspeed_param.__wrapped__ = real_convert  # type: ignore[attr-defined]
+            init_cls._convert_to_deepspeed_param = _convert_to_deepspeed_param
+
+    def ordered_gather(self, gather):
+        """The parameter coordinator's all-gather of a parameter list (enqueued with the all-gather stream
+        current): first make that stream wait on the copies into these parameters' secondary partitions
+        still pending, so only gathers that read a secondary partition wait, and only for their own copy."""
+        pending = self._pending
+
+        def all_gather_coalesced(params, *args, **kwargs):
+            if pending:
+                import torch
+
+                stream = None
+                for p in params:
+                    event = pending.pop(id(p), None)
+                    if event is not None:
+                        stream = stream or torch.cuda.current_stream()
+                        stream.wait_event(event)
+            return gather(params, *args, **kwargs)
+
+        all_gather_coalesced.__wrapped__ = gather  # type: ignore[attr-defined]
+        return all_gather_coalesced
 
     # ---- the replacement for the stall ------------------------------------------------------
     def _accelerator(self):
@@ -192,6 +240,8 @@ class HpzFix:
                 self._announced = True
                 self.on_message(f"hpZ fix not applied ({why}); DeepSpeed's own host stall stays")
             return real(init, param, *args, **kwargs)
+        if not _copies(param, args, kwargs):
+            return real(init, param, *args, **kwargs)  # no copy, so DeepSpeed does not stall either
         import torch
 
         current = torch.cuda.current_stream()
@@ -205,13 +255,21 @@ class HpzFix:
         finally:
             self._tls.skip_stall = False
         if self.mode == "event":
-            if self._event is None:
-                self._event = torch.cuda.Event()
-            # A stream waits on the event's latest record as of the wait call, so one event serves all
-            # copies: each wait is enqueued before the next record.
-            self._event.record(current)
-            for stream in waiters:
-                stream.wait_event(self._event)
+            if getattr(param, "_trainscout_ordered", False):
+                # ordered where it is read: the gather of this parameter waits on this event
+                event = self._events.get(id(param))
+                if event is None:
+                    event = self._events[id(param)] = torch.cuda.Event()
+                event.record(current)
+                self._pending[id(param)] = event
+            else:
+                # a parameter whose gather is not wrapped: every all-gather stream waits here. A stream
+                # waits on the event's latest record as of the wait call, so one event serves all copies.
+                if self._event is None:
+                    self._event = torch.cuda.Event()
+                self._event.record(current)
+                for stream in waiters:
+                    stream.wait_event(self._event)
         self.applied += 1
         if not self._announced:
             self._announced = True
