@@ -190,7 +190,7 @@ class StragglerDetector:
         for r, rec in recs.items():
             w = self._waits.setdefault(r, deque(maxlen=self.window))
             w.append(rec.gpu_wait_s if gpu else rec.wait_s)
-            if len(w) == self.window:
+            if len(w) == self.window and min(w) >= 0:  # -1: not measured, no order to read
                 waits[r] = statistics.median(w)
         if len(windowed) < 2 or len(waits) < 2:
             return []

@@ -47,6 +47,7 @@ class StepTiming:
         self._site_at: dict[str, float] = {}
         # CUDA: events A (after the previous optimizer step), B (end of backward), C (optimizer pre-step)
         self._cuda = None
+        self._device = None
         self._ev_start = None
         self._ev_backward = None
         self._ev_pre = None
@@ -108,15 +109,17 @@ class StepTiming:
         self.append(STEP_PG_INDEX, step, cpu_ns, wall_ns, time.time_ns(), step, "step", desc)
 
     # ---- CUDA: GPU busy and wait time per step, from events read back once complete -----------------
-    def use_cuda(self, torch_cuda) -> None:
+    def use_cuda(self, torch_cuda, device) -> None:
         """The loss lives on a CUDA device: time the GPU side too (called from the first backward)."""
         if self._cuda is None:
-            self._cuda = torch_cuda
+            self._cuda, self._device = torch_cuda, device
             self._ev_start = self._event()
 
     def _event(self):
         ev = self._free_events.pop() if self._free_events else self._cuda.Event(enable_timing=True)
-        ev.record()
+        # On the loss's device explicitly: the end-of-backward callback may run on an autograd worker
+        # thread whose current device is another one (rank 1 of a node got device 0's stream).
+        ev.record(self._cuda.current_stream(self._device))
         return ev
 
     def _drain_gpu(self, force: bool = False) -> None:
@@ -161,7 +164,7 @@ class StepTiming:
                     if t.device.type == "cuda" and timing._cuda is None:
                         import torch
 
-                        timing.use_cuda(torch.cuda)
+                        timing.use_cuda(torch.cuda, t.device)
                     t.grad_fn.register_prehook(queue_end)
             except Exception:
                 pass  # fail open: timing must never break backward
