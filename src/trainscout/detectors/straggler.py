@@ -120,10 +120,17 @@ class StragglerDetector:
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.
         spike = vote_statistical(samples, rel_threshold=max(metric.rel, self.spike_ratio - 1), abs_threshold=metric.abs_s)
         spikes = set(spike.outliers) if spike.status == "attributed" else set()
-        windowed = self._windowed(samples, metric)
+        # Compute: each step's value over that step's median, so what the whole machine does at that
+        # moment (a noisy neighbour, a hog) cancels; the absolute margin is scaled the same way.
+        level = statistics.median(samples.values()) if metric.label == "compute" else 0.0
+        if level > 0:
+            windowed = self._windowed({r: x / level for r, x in samples.items()}, metric)
+            abs_margin = metric.abs_s / level
+        else:
+            windowed, abs_margin = self._windowed(samples, metric), metric.abs_s
         outliers: set[int] = set()
         if len(windowed) >= 3:
-            verdict = vote_against_peers(windowed, rel_threshold=metric.rel, abs_threshold=metric.abs_s,
+            verdict = vote_against_peers(windowed, rel_threshold=metric.rel, abs_threshold=abs_margin,
                                          z_threshold=PEER_Z)
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
         self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
