@@ -69,6 +69,9 @@ def cases(out: Path) -> dict[str, dict]:
         "torchtitan": {"launch": ["-m", "torchtitan.train", "--module", "llama3", "--config", "llama3_debugmodel",
                                   "--training.steps", str(STEPS)],
                        "cwd": titan_root, "prepare": lambda: _titan_assets(titan_root)},
+        # TorchTitan 0.2.x: job-config CLI, whose defaults are the llama3 debug model on tests/assets
+        "torchtitan_0_2": {"launch": ["-m", "torchtitan.train", "--training.steps", str(STEPS)],
+                           "cwd": titan_root, "prepare": lambda: _titan_assets(titan_root)},
     } | {"_py": py}
 
 
