@@ -128,9 +128,11 @@ def _start(jobs, tmp_path: Path, name: str, env: dict[str, str]) -> Job:
     launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()), str(Path(__file__).resolve()),
                           "--train", "--steps", str(STEPS))
     args = trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain", "--", *launch)
-    # every module checked every step, so the corrupted step is checked whichever modules it hits
-    knobs = {"DS_ACCELERATOR": "cpu", "TRAINSCOUT_HPZ_PERIOD": "1", "TRAINSCOUT_REPLAY_EVERY": "0",
-             "OMP_NUM_THREADS": "1", CORRUPT_ENV: ""}
+    # the check's default schedule: every step the two modules the previous forward released last (here
+    # blocks.1.down and head), plus one module in TRAINSCOUT_HPZ_PERIOD (4) by DeepSpeed's module id
+    # (the defaults, set so that an outer environment cannot leak in)
+    knobs = {"DS_ACCELERATOR": "cpu", "TRAINSCOUT_REPLAY_EVERY": "0", "OMP_NUM_THREADS": "1", CORRUPT_ENV: "",
+             "TRAINSCOUT_HPZ_PERIOD": "4", "TRAINSCOUT_HPZ_CHECK": "1", "TRAINSCOUT_HPZ_FIX": "event"}
     return jobs(args, tmp_path, run_id, env={**knobs, **env})
 
 
@@ -181,4 +183,5 @@ def test_corrupted_secondary_partition_names_its_rank(hpz_jobs):
     assert race["evidence"]["receivers"] == [0, 1]  # both members of the secondary group gathered it
     assert race["evidence"]["fix_mode"] == "none"  # CPU: no streams, so the partition itself was corrupted
     assert all(r["secondary_of"] == 1 for r in race["evidence"]["ranges"])
+    assert {"head.weight", "blocks.1.down.weight"} <= set(race["evidence"]["params"])  # the schedule's tail
     assert [f for f in result.findings if f["kind"] != "hpz_race"] == [], result.describe()
