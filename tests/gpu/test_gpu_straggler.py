@@ -29,26 +29,27 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path, run_id, inject="", steps=200):
+def _run(tmp_path, run_id, inject="", steps=200, env=None):
     cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id,
            "--console", "plain"]
     if inject:
         cmd += ["--inject", inject]
     cmd += ["--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
             str(_port()), str(REPO / "examples" / "ddp_train.py"), "--steps", str(steps), "--hidden", "2048"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     path = tmp_path / run_id / "findings.jsonl"
     findings = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return done, findings
 
 
 def test_gpu_spin_straggler_is_named_by_arrival_order(tmp_path):
-    done, findings = _run(tmp_path, "gpuslow", inject="gpuslow:rank=1:step=30:ms=5")
+    done, findings = _run(tmp_path, "gpuslow", inject="gpuslow:rank=1:step=30:ms=10",
+                          env={"TRAINSCOUT_GPU_STRAGGLERS": "1"})
     assert done.returncode == 0, done.stdout[-3000:]
     assert [(f["kind"], f["culprit_ranks"], f["evidence"]["type"]) for f in findings] == [
         ("straggler", [1], "compute")], json.dumps(findings, indent=1) + done.stdout[-3000:]
     f = findings[0]
-    assert f["evidence"]["measure"] == "GPU time to the end of backward", f
+    assert f["evidence"]["measure"] == "time to the end of backward (GPU or host)", f
     assert f["evidence"]["basis"].startswith("arrival order") and f["confidence"] < 0.5, f
     assert f["evidence"]["ratio"] > 1.2, f
     waits = f["evidence"]["wait_s"]
@@ -56,6 +57,6 @@ def test_gpu_spin_straggler_is_named_by_arrival_order(tmp_path):
 
 
 def test_gpu_job_without_slowdown_has_no_straggler(tmp_path):
-    done, findings = _run(tmp_path, "gpuclean")
+    done, findings = _run(tmp_path, "gpuclean", env={"TRAINSCOUT_GPU_STRAGGLERS": "1"})
     assert done.returncode == 0, done.stdout[-3000:]
     assert findings == [], json.dumps(findings, indent=1)

@@ -51,7 +51,7 @@ def test_two_ranks_name_the_slow_gpu_by_arrival_order():
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([1], "compute")]
     f = found[0]
     assert f.confidence < 0.5 and f.evidence["basis"].startswith("arrival order")
-    assert f.evidence["measure"] == "GPU time to the end of backward"
+    assert f.evidence["measure"] == "time to the end of backward (GPU or host)"
 
 
 def test_two_ranks_slower_but_waiting_longer_is_not_named():

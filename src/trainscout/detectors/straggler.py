@@ -55,8 +55,9 @@ TWO_RANK_CONFIDENCE = 0.4
 
 class StragglerDetector:
     def __init__(self, k: int = 6, m: int = 8, wait_s: float = 5.0, intermittent_min: int = 5,
-                 window: int = 8, spike_ratio: float = 1.5) -> None:
+                 window: int = 8, spike_ratio: float = 1.5, gpu_compute: bool = True) -> None:
         self.k, self.m, self.wait_s = k, m, wait_s
+        self.gpu_compute = gpu_compute  # judge CUDA jobs by their GPU-side spans (else: host CPU time)
         self.window, self.spike_ratio = window, spike_ratio
         self._windows: dict[tuple[int, str], deque] = {}
         self._fine: dict[int, deque] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
@@ -102,7 +103,7 @@ class StragglerDetector:
     # ---- per step ------------------------------------------------------------------------------
     def _samples(self, recs: dict[int, StepRecord], metric: Metric) -> dict[int, float]:
         if metric.label == "compute":
-            if all(rec.gpu_s >= 0 for rec in recs.values()):
+            if self.gpu_compute and all(rec.gpu_s >= 0 for rec in recs.values()):
                 self.compute_measure = "gpu"
                 return {r: rec.gpu_s for r, rec in recs.items()}
             return {r: rec.cpu_s for r, rec in recs.items()}
@@ -230,7 +231,7 @@ class StragglerDetector:
         ratio = float(statistics.median([r for _, r in flagged]))
         steps = [s for s, _ in flagged]
         if metric.label == "compute":
-            measure = "GPU time to the end of backward" if self.compute_measure == "gpu" else "CPU time"
+            measure = "time to the end of backward (GPU or host)" if self.compute_measure == "gpu" else "CPU time"
             summary = (f"rank {rank} is a compute straggler: it needs {ratio:.2f}x the {measure} of its peers per "
                        f"step (~{(ratio - 1) * 100:.0f}% slower, {len(steps)} of the last {len(hist)} steps); "
                        "its peers wait for it")

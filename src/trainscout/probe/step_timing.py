@@ -41,13 +41,14 @@ class StepTiming:
         self.wait_s = 0.0
         self.pg_wait: dict[str, float] = {}  # Python-level collective time per process group, this step
         self._backward_end: float | None = None
+        self._host_to_backward_s = 0.0
         self.last_wall_s = 0.0
         self.total_wall_s = 0.0  # from the first step's end: what per-step costs are compared against
         self.sites: dict[str, str] = {}  # "data" / "ckpt" -> where the training code waits (call site)
         self._site_at: dict[str, float] = {}
         # CUDA: events A (after the previous optimizer step), B (end of backward), C (optimizer pre-step)
         self._cuda = None
-        self._device = None
+        self._stream = None
         self._ev_start = None
         self._ev_backward = None
         self._ev_pre = None
@@ -58,6 +59,7 @@ class StepTiming:
     def backward_ended(self) -> None:
         """Autograd engine callback: backward's own work is done; DDP's reduction wait comes after."""
         self._backward_end = time.perf_counter()
+        self._host_to_backward_s = self._backward_end - self._wall
         if self._cuda is not None:
             self._ev_backward = self._event()
 
@@ -77,7 +79,8 @@ class StepTiming:
         wall, cpu = time.perf_counter(), time.thread_time()
         compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s)
         fields = (step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9), int(self.data_s * 1e6),
-                  int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait))
+                  int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait),
+                  int(self._host_to_backward_s * 1e6))
         if self._cuda is not None and self._ev_start is not None and self._ev_backward is not None \
                 and self._ev_pre is not None:
             self._gpu_pending.append((fields, self._ev_start, self._ev_backward, self._ev_pre))
@@ -97,12 +100,17 @@ class StepTiming:
         if step > 1:
             self.total_wall_s += self.last_wall_s
         self._wall, self._cpu = wall, cpu
-        self.data_s = self.ckpt_s = self.io_cpu_s = self.wait_s = 0.0
+        self.data_s = self.ckpt_s = self.io_cpu_s = self.wait_s = self._host_to_backward_s = 0.0
         self.pg_wait = {}
         self._backward_end = None
 
     def _emit(self, fields: tuple, gpu_us: int, gpu_wait_us: int) -> None:
-        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait = fields
+        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us = fields
+        if gpu_us >= 0:
+            # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
+            # waiting for its own host, and a host a few % slower reads as a GPU 10x slower. The longer
+            # of the two spans is the rank's own time to the end of backward.
+            gpu_us = max(gpu_us, host_us)
         desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}"
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
@@ -112,14 +120,16 @@ class StepTiming:
     def use_cuda(self, torch_cuda, device) -> None:
         """The loss lives on a CUDA device: time the GPU side too (called from the first backward)."""
         if self._cuda is None:
-            self._cuda, self._device = torch_cuda, device
+            self._cuda = torch_cuda
+            self._stream = torch_cuda.current_stream(device)
             self._ev_start = self._event()
 
     def _event(self):
         ev = self._free_events.pop() if self._free_events else self._cuda.Event(enable_timing=True)
-        # On the loss's device explicitly: the end-of-backward callback may run on an autograd worker
-        # thread whose current device is another one (rank 1 of a node got device 0's stream).
-        ev.record(self._cuda.current_stream(self._device))
+        # On the training stream, captured on the training thread when backward was called: the
+        # end-of-backward callback may run on an autograd worker thread whose current device or stream is
+        # another one (rank 1 of a node got device 0's stream, and negative spans).
+        ev.record(self._stream)
         return ev
 
     def _drain_gpu(self, force: bool = False) -> None:
@@ -161,10 +171,12 @@ class StepTiming:
             try:
                 t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
                 if getattr(t, "grad_fn", None) is not None and t.numel() == 1:
-                    if t.device.type == "cuda" and timing._cuda is None:
+                    if t.device.type == "cuda":
                         import torch
 
-                        timing.use_cuda(torch.cuda, t.device)
+                        if timing._cuda is None:
+                            timing.use_cuda(torch.cuda, t.device)
+                        timing._stream = torch.cuda.current_stream(t.device)
                     t.grad_fn.register_prehook(queue_end)
             except Exception:
                 pass  # fail open: timing must never break backward
