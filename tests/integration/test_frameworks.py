@@ -6,6 +6,10 @@ side by side: a clean job, which must end with no finding and with the topology 
 desyncs (its next reducing collective uses another reduce op) and later another rank hangs. The faulted
 job must name exactly those two ranks with exactly those two kinds, and nothing else. Three ranks (four
 for the 2-D HSDP mesh) are the fewest that let a strict majority name a culprit.
+
+The clean job fingerprints all replicated state every step (TRAINSCOUT_STATE_PERIOD=1): frameworks with
+replicas (HSDP's replicate groups, ZeRO-1/2's parameters) must have them checked and agreeing, the others
+must have nothing to check. A last test corrupts one HSDP replica's shard and expects it named.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import JOB_TIMEOUT_S, free_port, torchrun_cmd, trainscout_cmd, unique_run_id
+from trainscout.sinks.probe_costs import report_path
 
 pytestmark = pytest.mark.slow
 
@@ -54,11 +59,25 @@ FRAMEWORKS = {
 CLEAN_ELSEWHERE = {"ddp"}
 
 
-def _start(jobs, tmp_path: Path, name: str, launch: list[str], options: tuple[str, ...] = ()):
+EVERY_STEP = {"TRAINSCOUT_STATE_PERIOD": "1"}  # the whole replicated state fingerprinted every step
+
+
+def _start(jobs, tmp_path: Path, name: str, launch: list[str], options: tuple[str, ...] = (),
+           env: dict | None = None):
     run_id = unique_run_id(name)
     args = trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain",
                           *options, "--", *launch)
-    return jobs(args, tmp_path, run_id)
+    return jobs(args, tmp_path, run_id, env=env)
+
+
+def _state_bytes(result, nproc: int) -> list[int]:
+    """Bytes of replicated state each rank fingerprinted (from the probes' cost reports)."""
+    out = []
+    for rank in range(nproc):
+        path = Path(report_path(str(result.run_path), rank))
+        assert path.exists(), result.describe()
+        out.append(int(json.loads(path.read_text())["state_check"]["bytes"]))
+    return out
 
 
 def _topology(result) -> dict:
@@ -93,7 +112,8 @@ def test_framework_topology_and_culprits_without_code_change(jobs, tmp_path, nam
               f"hang:rank={HANG_RANK}:step={HANG_STEP}")
     faulted = _start(jobs, tmp_path, f"{name}-faults", fw.launch(steps=HANG_STEP + 6),
                      ("--inject", inject, "--abort-on", "hang"))
-    clean = None if name in CLEAN_ELSEWHERE else _start(jobs, tmp_path, f"{name}-clean", fw.launch(steps=6))
+    clean = None if name in CLEAN_ELSEWHERE else _start(jobs, tmp_path, f"{name}-clean", fw.launch(steps=6),
+                                                        env=EVERY_STEP)
     got = faulted.wait(JOB_TIMEOUT_S)
 
     kinds = sorted(f["kind"] for f in got.findings)
@@ -117,3 +137,27 @@ def test_framework_topology_and_culprits_without_code_change(jobs, tmp_path, nam
         assert ok.returncode == 0, ok.describe()
         assert ok.findings == [], ok.describe()
         _check_topology(fw, ok)
+        checked = _state_bytes(ok, fw.nproc)
+        if fw.replicas:  # every replica fingerprinted its state and they all agreed (no finding)
+            assert all(b > 0 for b in checked), checked
+        else:  # no replicas: nothing to compare, nothing hashed
+            assert checked == [0] * fw.nproc, checked
+
+
+def test_corrupted_shard_of_an_hsdp_replica_is_named(jobs, tmp_path):
+    """Three replicas of a one-shard HSDP mesh: a bit flipped in rank 1's shard is named by its replicas."""
+    fw = Framework("hsdp_train.py", ("--replicate", "3"), 3, "HSDP", {"replicate": ALL3, "shard": [[0], [1], [2]]},
+                   ALL3)
+    job = _start(jobs, tmp_path, "hsdp-sdc", fw.launch(steps=12),
+                 ("--inject", "corrupt:rank=1:step=2:target=param", "--abort-on", "sdc"), env=EVERY_STEP)
+    got = job.wait(JOB_TIMEOUT_S)
+    assert got.findings, got.describe()
+    assert all(f["kind"] == "sdc" and f["status"] == "attributed" and f["culprit_ranks"] == [1]
+               for f in got.findings), got.describe()
+    state = [f for f in got.findings if f["evidence"]["check"] == "replicated_state"]
+    assert state, got.describe()
+    topo = _topology(got)
+    (replicate,) = [g["name"] for g in topo["groups"] if g["role"] == "replicate"]
+    assert state[0]["evidence"]["replica_group"] == replicate, got.describe()
+    assert state[0]["step"] == 3, got.describe()  # the first check after the flip
+    _check_topology(fw, got)

@@ -21,12 +21,13 @@ def _pick(optimizer, names: dict[int, str], wanted: str, target: str):
     else:
         name, p = max(labelled, key=lambda item: item[1].numel())
     if target == "param":
-        return name, p.data
+        data = p.data
+        return name, data.to_local() if hasattr(data, "to_local") else data  # a DTensor: this rank's shard
     state = optimizer.state.get(p, {})
     for key in sorted(state):
         v = state[key]
         if hasattr(v, "numel") and v.numel() > 1:
-            return f"{name}:{key}", v
+            return f"{name}:{key}", v.to_local() if hasattr(v, "to_local") else v
     raise ValueError(f"parameter {name!r} has no optimizer state tensor yet")
 
 

@@ -7,14 +7,16 @@ FSDP2's `fully_shard`, DTensor's `parallelize_module`, `deepspeed.initialize`, M
 `initialize_model_parallel`) and, once it returned, declares the roles of the groups it used. Nothing
 in the training script changes and no collective is added; a failure disables that integration only.
 The roles travel with the probe's group table to the coordinator, which derives the job's topology
-(`topology.py`).
+(`topology.py`). Where a framework keeps replicas the probe does not learn from DDP (HSDP's replicate
+groups, ZeRO-1/2's data-parallel group), the integration also hands the module to the replicated-state
+check, so those replicas are fingerprinted and compared like DDP's.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-Declare = Callable[[object, str, str], None]  # (process group, role, framework)
+Declare = Callable[..., None]  # (process group, role, framework, module=None, params_only=False)
 
 
 def install(hooks, declare: Declare, on_error: Callable[[str], None]) -> None:
@@ -43,10 +45,16 @@ def install_in_probe(probe) -> None:
 
     publisher = probe.publisher
 
-    def declare(group, role: str, framework: str) -> None:
+    def declare(group, role: str, framework: str, module=None, params_only: bool = False) -> None:
+        """module: the replicated model, when role is `replicate` and the probe should compare its state;
+        params_only: only its parameters are replicated (the optimizer's state is sharded)."""
         for side in _side_groups(probe):  # the probe's own groups are no part of the job's topology
             publisher.set_role(side, "trainscout", "trainscout")
         publisher.set_role(group, role, framework)
+        if role == "replicate" and module is not None:
+            probe.param_names.update({id(p): n for n, p in module.named_parameters()})
+            if probe.state_check is not None:
+                probe.state_check.learn_model(module, str(group.group_name), params_only=params_only)
 
     install(hooks(), declare, probe._error)
     earlier = publisher.on_tick

@@ -26,6 +26,8 @@ def wrap_fully_shard(module, declare, on_error) -> None:
     from trainscout.integrations import after
 
     real = module.fully_shard
+    seen: set[int] = set()  # parameters of the modules sharded so far
+    replicas: list = []  # the HSDP replicate group, once one call showed it
 
     def learn(result, args, kwargs) -> None:
         target = args[0] if args else kwargs.get("module")
@@ -34,14 +36,19 @@ def wrap_fully_shard(module, declare, on_error) -> None:
             state = m._get_fsdp_state()
             group = getattr(state, "_fsdp_param_group", None)
             info = getattr(group, "mesh_info", None)
-            if info is None:
-                continue  # a module with no parameters of its own: its children's calls say it all
-            mesh = info.mesh
-            hsdp = info.replicate_mesh_dim is not None
-            framework = "HSDP" if hsdp else "FSDP2"
-            declare(mesh.get_group(info.shard_mesh_dim), "shard", framework)
-            if hsdp:
-                declare(mesh.get_group(info.replicate_mesh_dim), "replicate", framework)
+            if info is not None:
+                mesh = info.mesh
+                framework = "HSDP" if info.replicate_mesh_dim is not None else "FSDP2"
+                declare(mesh.get_group(info.shard_mesh_dim), "shard", framework)
+                if info.replicate_mesh_dim is not None and not replicas:
+                    replicas.append(mesh.get_group(info.replicate_mesh_dim))
+            ids = {id(p) for p in m.parameters()}
+            outermost = seen <= ids  # holds every module sharded before it (the root, or the first one)
+            seen.update(ids)
+            if replicas and outermost:
+                # replicas hold equal shards and optimizer state: the state check compares them; parameter
+                # names come from the outermost module only (an inner module's names repeat across layers)
+                declare(replicas[0], "replicate", "HSDP", module=m)
 
     module.fully_shard = after(real, learn, on_error, "FSDP2")
 

@@ -51,6 +51,7 @@ class StateCheck:
         self._ids: dict[str, int] = {}
         self._bytes = 0  # total bytes of the planned state
         self._device = None  # the CUDA path (device_state.DeviceStateHashes), made when CUDA state shows up
+        self._params_of = None  # a module whose parameters alone are the replicated state (ZeRO-1/2)
 
     def register(self, name: str, group: str | None = None) -> int:
         """Id of a named tensor in the sidecar table the agent reads (append-only, so ids stay valid)."""
@@ -71,11 +72,13 @@ class StateCheck:
             json.dump(doc, fh)
         os.replace(path + ".tmp", path)
 
-    def learn_model(self, module, process_group_name: str | None) -> None:
+    def learn_model(self, module, process_group_name: str | None, params_only: bool = False) -> None:
+        """params_only: the optimizer's tensors are not replicated (ZeRO-1/2 shards them); the module's are."""
         for name, p in module.named_parameters():
             self.names[id(p)] = name
         if process_group_name is not None:
             self.replica_group = process_group_name
+        self._params_of = module if params_only else None
         self._structure = None
 
     def after_step(self, optimizer, step: int, step_wall_s: float = 0.0) -> None:
@@ -148,16 +151,18 @@ class StateCheck:
         return self.stride * len(self._slots)
 
     def _tensors(self, optimizer) -> list[tuple[str, object]]:
+        if self._params_of is not None:
+            return [(name, _local(p.detach())) for name, p in self._params_of.named_parameters()]
         out = []
         for g, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 pname = self.names.get(id(p), f"param_group{g}.{i}")
-                out.append((pname, p.detach()))
+                out.append((pname, _local(p.detach())))
                 state = optimizer.state.get(p, {})
                 for key in sorted(state):
                     v = state[key]
                     if hasattr(v, "detach") and hasattr(v, "element_size"):
-                        out.append((f"{pname}:{key}", v.detach()))
+                        out.append((f"{pname}:{key}", _local(v.detach())))
         return out
 
     def _plan(self, tensors) -> None:
@@ -197,3 +202,9 @@ class StateCheck:
             self._device.prepare(slots)  # compiles the kernel now, not on a later check step
         self._bytes = total
         self._write_table()
+
+
+def _local(t):
+    """This rank's part of a DTensor (FSDP2/HSDP shards: replicas hold equal shards), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
