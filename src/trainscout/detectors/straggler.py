@@ -51,6 +51,9 @@ FINE_ABS_S = 0.001
 PEER_Z = 5.0  # robust z of a rank's windowed value against its peers' median and MAD (leave-one-out)
 FINE_K, FINE_M = 12, 16
 TWO_RANK_CONFIDENCE = 0.4
+# Start-up is uneven (rank 0 sets up logging and checkpoints, first allocations, compiles): 1.36x for
+# rank 0 over steps 2-14 of a healthy demo run. Sustained-slowness windows are not judged before this.
+WARMUP_STEPS = 12
 
 
 class StragglerDetector:
@@ -139,7 +142,7 @@ class StragglerDetector:
         for r in samples:
             if r in spikes:
                 self._flag_steps.setdefault((r, metric.label), []).append(step)
-            if r in windowed:
+            if r in windowed and step > WARMUP_STEPS:
                 hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
                 hist.append((step, r in outliers, _ratio_to_peers(r, windowed)))
                 f = self._persistent(r, metric, hist, self.k, "")
@@ -175,7 +178,7 @@ class StragglerDetector:
             w.append(x / median_now)
             if len(w) == FINE_WINDOW:
                 norm[r] = statistics.median(w)
-        if len(norm) < 3:
+        if len(norm) < 3 or step <= WARMUP_STEPS:
             return [], False
         verdict = vote_against_peers(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now,
                                      z_threshold=PEER_Z)
@@ -200,7 +203,7 @@ class StragglerDetector:
             w.append(rec.gpu_wait_s if gpu else rec.wait_s)
             if len(w) == self.window and min(w) >= 0:  # -1: not measured, no order to read
                 waits[r] = statistics.median(w)
-        if len(windowed) < 2 or len(waits) < 2:
+        if len(windowed) < 2 or len(waits) < 2 or step <= WARMUP_STEPS:
             return []
         (fast, c_fast), (slow, c_slow) = sorted(windowed.items(), key=lambda kv: kv[1])
         ratio = c_slow / c_fast if c_fast > 0 else float("inf")
