@@ -60,37 +60,10 @@ def vote_statistical(
     Plain Python, not numpy: the coordinator votes every step on a handful of values, where numpy's
     per-call cost is ten times the work.
     """
-    n = len(samples)
-    items = [(int(m), float(v)) for m, v in samples.items()]
-    if not all(math.isfinite(v) for _, v in items):
-        raise ValueError("timing samples must be finite")
-    if n == 0:
-        return Verdict(AGREE, (), None, {"n": 0})
-    median, mad = median_mad([v for _, v in items])
-    scale = MAD_TO_SIGMA * max(mad, MAD_FLOOR_FRACTION * abs(median), MAD_FLOOR_ABS)
-    evidence: dict[str, Any] = {"n": n, "median": median, "mad": mad}
-    suspects = []
-    for member, v in items:
-        excess = v - median
-        # All three conditions: relative alone flags microsecond jitter, absolute alone flags 1% of a long
-        # step, z alone flags anything when peers agree exactly. Below min_members a spread is meaningless
-        # (with 2 members z is always 0.67), so a clear relative and absolute gap alone makes the class
-        # disagree; such a verdict is inconclusive below anyway.
-        if excess > rel_threshold * median and excess > abs_threshold and (
-                n < min_members or excess / scale > z_threshold):
-            suspects.append((member, v, excess / scale))
-    if not suspects:
-        return Verdict(AGREE, (), median, evidence)
-    suspects.sort()  # suspects in ascending member order
-    suspect_ids = [m for m, _, _ in suspects]
-    # Ratio x/median is what a person reads ("rank 13 is 2.1x slower"); undefined for a median <= 0.
-    evidence["ratios"] = {m: (v / median if median > 0 else None) for m, v, _ in suspects}
-    evidence["z"] = {m: z for m, _, z in suspects}
-    # Too few members for a median to mean anything, or no strict majority of normal members: detect only.
-    if n < min_members or 2 * len(suspect_ids) >= n:
-        evidence["suspects"] = suspect_ids
-        return Verdict(INCONCLUSIVE, (), None, evidence)
-    return Verdict(ATTRIBUTED, tuple(suspect_ids), median, evidence)
+    def against_class(member, v, median, mad):
+        return median, mad
+
+    return _vote(samples, against_class, rel_threshold, abs_threshold, z_threshold, min_members)
 
 
 def vote_against_peers(
@@ -110,35 +83,50 @@ def vote_against_peers(
     `exact_below` members the peers' median and MAD are computed exactly; above, one member barely moves
     them and the class statistics stand in. The ratio in the evidence is the member over its peers' median.
     """
+    items = list(samples.items())
+
+    def against_peers(member, v, median, mad):
+        if len(items) >= exact_below:
+            return median, mad
+        peers = [x for m, x in items if m != member]
+        return median_mad(peers) if peers else (v, 0.0)
+
+    return _vote(samples, against_peers, rel_threshold, abs_threshold, z_threshold, min_members)
+
+
+def _vote(samples, reference, rel_threshold, abs_threshold, z_threshold, min_members) -> Verdict:
+    """The shared vote: `reference(member, value, class median, class MAD)` gives the centre and spread a
+    member is judged against."""
     n = len(samples)
     items = [(int(m), float(v)) for m, v in samples.items()]
     if not all(math.isfinite(v) for _, v in items):
         raise ValueError("timing samples must be finite")
     if n == 0:
         return Verdict(AGREE, (), None, {"n": 0})
-    values = [v for _, v in items]
-    median, mad = median_mad(values)
+    median, mad = median_mad([v for _, v in items])
     evidence: dict[str, Any] = {"n": n, "median": median, "mad": mad}
     suspects = []
     for member, v in items:
         if v <= median:
-            continue  # never slower than its peers' median
-        if n < exact_below:
-            peers = [x for m, x in items if m != member]
-            p_median, p_mad = median_mad(peers) if peers else (v, 0.0)
-        else:
-            p_median, p_mad = median, mad
-        scale = MAD_TO_SIGMA * max(p_mad, MAD_FLOOR_FRACTION * abs(p_median), MAD_FLOOR_ABS)
-        excess = v - p_median
-        if excess > rel_threshold * p_median and excess > abs_threshold and (
+            continue  # never slower than the centre of any reference
+        centre, spread = reference(member, v, median, mad)
+        scale = MAD_TO_SIGMA * max(spread, MAD_FLOOR_FRACTION * abs(centre), MAD_FLOOR_ABS)
+        excess = v - centre
+        # All three conditions: relative alone flags microsecond jitter, absolute alone flags 1% of a long
+        # step, z alone flags anything when peers agree exactly. Below min_members a spread is meaningless
+        # (with 2 members z is always 0.67), so a clear relative and absolute gap alone makes the class
+        # disagree; such a verdict is inconclusive below anyway.
+        if excess > rel_threshold * centre and excess > abs_threshold and (
                 n < min_members or excess / scale > z_threshold):
-            suspects.append((member, v / p_median if p_median > 0 else None, excess / scale))
+            # the ratio is what a person reads ("rank 13 is 2.1x slower"); undefined for a centre <= 0
+            suspects.append((member, v / centre if centre > 0 else None, excess / scale))
     if not suspects:
         return Verdict(AGREE, (), median, evidence)
-    suspects.sort()
+    suspects.sort()  # suspects in ascending member order
     suspect_ids = [m for m, _, _ in suspects]
     evidence["ratios"] = {m: r for m, r, _ in suspects}
     evidence["z"] = {m: z for m, _, z in suspects}
+    # Too few members for a median to mean anything, or no strict majority of normal members: detect only.
     if n < min_members or 2 * len(suspect_ids) >= n:
         evidence["suspects"] = suspect_ids
         return Verdict(INCONCLUSIVE, (), None, evidence)

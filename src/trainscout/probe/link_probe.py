@@ -13,10 +13,9 @@ slow GPU interconnect (NVLink, InfiniBand under NCCL) is outside what it measure
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
+from trainscout.probe.requests import RequestFile
 from trainscout.probe.step_timing import STEP_PG_INDEX
 
 EXCHANGE_BYTES = 256 * 1024
@@ -47,33 +46,15 @@ class LinkProbe:
         self.rank = rank
         self.on_error = on_error
         self.request: dict | None = None  # {"id", "step", "members"} from the coordinator
-        self._mtime = 0
-        self._done: set[int] = set()
         self.spent_s = 0.0
         self.count = 0
 
-    def read_request(self, path: str, current_step: int) -> None:
-        """Publisher thread: pick up a request the agent wrote."""
-        try:
-            mtime = os.stat(path).st_mtime_ns
-        except OSError:
-            return
-        if mtime == self._mtime:
-            return
-        self._mtime = mtime
-        with open(path) as fh:
-            doc = json.load(fh)
-        rid = int(doc["id"])
-        if rid in self._done:
-            return
-        self._done.add(rid)
-        members = [int(r) for r in doc.get("members", [])]
-        if self.rank not in members:
-            return
-        if int(doc["step"]) <= current_step:
-            self.on_error(f"link probe at step {doc['step']} missed (read at step {current_step})")
-            return
-        self.request = {"id": rid, "step": int(doc["step"]), "members": members}
+    def read_request(self, requests: RequestFile, current_step: int) -> None:
+        """Publisher thread: pick up a request the agent wrote, if this rank is probed."""
+        doc = requests.take(current_step, lambda text: self.on_error(f"link probe {text}"))
+        if doc is not None and self.rank in [int(r) for r in doc.get("members", [])]:
+            self.request = {"id": int(doc["id"]), "step": int(doc["step"]),
+                            "members": [int(r) for r in doc["members"]]}
 
     def due(self, step: int) -> bool:
         request = self.request

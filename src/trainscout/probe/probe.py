@@ -25,6 +25,7 @@ from trainscout.probe.link_probe import LinkProbe
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
 from trainscout.probe.replay import Replay
+from trainscout.probe.requests import RequestFile
 from trainscout.probe.state_check import StateCheck
 from trainscout.probe.step_timing import StepTiming
 
@@ -83,8 +84,8 @@ class Probe:
         if os.environ.get("TRAINSCOUT_LINK_PROBE", "1") != "0":
             self.link_probe = LinkProbe(self.publisher.append_locked, rank, self._error)
         self._replay_request: tuple[int, int, str] | None = None  # (id, step, layer) from `trainscout replay`
-        self._replay_request_mtime = 0
-        self._replay_requests_done: set[int] = set()
+        self._replay_requests = RequestFile(replay_request_path(run_id))
+        self._link_requests = RequestFile(link_probe_request_path(run_id))
         self.publisher.on_tick = self._read_requests
 
     def _load_injector(self):
@@ -153,7 +154,7 @@ class Probe:
     def _read_requests(self) -> None:
         if self.link_probe is not None and self._side_group is not None:
             try:
-                self.link_probe.read_request(link_probe_request_path(self.run_id), self.step)
+                self.link_probe.read_request(self._link_requests, self.step)
             except Exception as exc:
                 self._error(f"link probe request unreadable: {exc!r}")
         if self.replay is not None:
@@ -161,26 +162,9 @@ class Probe:
 
     def _read_replay_request(self) -> None:
         """Publisher thread: pick up a replay request the agent wrote (see coordinator `_replay_on_command`)."""
-        try:
-            path = replay_request_path(self.run_id)
-            mtime = os.stat(path).st_mtime_ns
-        except OSError:
-            return
-        if mtime == self._replay_request_mtime:
-            return
-        self._replay_request_mtime = mtime
-        import json
-
-        with open(path) as fh:
-            doc = json.load(fh)
-        rid = int(doc["id"])
-        if rid in self._replay_requests_done:
-            return
-        self._replay_requests_done.add(rid)
-        if int(doc["step"]) <= self.step:
-            self._error(f"on-command replay at step {doc['step']} missed (read at step {self.step})")
-            return
-        self._replay_request = (rid, int(doc["step"]), str(doc.get("layer") or ""))
+        doc = self._replay_requests.take(self.step, lambda text: self._error(f"on-command replay {text}"))
+        if doc is not None:
+            self._replay_request = (int(doc["id"]), int(doc["step"]), str(doc.get("layer") or ""))
 
     def costs(self) -> dict:
         """What the probe's own checks cost this rank (seconds on the training thread), for the run's summary."""
