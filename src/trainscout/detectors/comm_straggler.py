@@ -30,7 +30,7 @@ RISE_ABS_S = 0.005
 RETRY_S = 60.0  # between link probes of one group
 MAX_PROBES = 3
 RESULT_WAIT_S = 15.0  # after the probe step, for every member's result
-LINK_REL, LINK_ABS_S = 1.0, 0.002  # a slow endpoint: >= 2x and >= 2 ms above the median of the minima
+LINK_REL, LINK_ABS_S = 1.0, 0.005  # a slow endpoint: >= 2x and >= 5 ms above the median of the minima
 PAIR_FACTOR = 3.0  # a slow pair: >= 3x the median pair time
 COMPUTE_QUIET_STEPS = 64  # no compute outlier for this many steps before a comm slowdown is probed
 

@@ -8,7 +8,8 @@ AND absolute thresholds, robust z) flags the slow side, in two tiers:
 - fine: each rank's median over its last 32 steps of its time relative to the same step's peers (the
   step-to-step swings of a shared machine cancel), 6 % above its peers (a 10 % straggler).
 Each rank is judged against its peers only (leave-one-out): with 4 ranks the class median and spread
-would include the slow rank itself, and any healthy rank that is fast for its own reasons.
+would include the slow rank itself, and any healthy rank that is fast for its own reasons. An outlier
+counts only if its peers wait for it (its collective wait over the window is at most its peers' median).
 Persistence turns flags into a finding (6 of the last 8, or 12 of the last 16 evaluations); regularly
 spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period.
 Compute is the GPU time from the step's start to the end of backward where the job runs on CUDA (all
@@ -120,6 +121,8 @@ class StragglerDetector:
             return self._judge_two(step, recs, samples, metric), False
         if len(samples) < 3:
             return [], False
+        if metric.label == "compute":
+            self._note_waits(recs)
         out = []
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.
         spike = vote_statistical(samples, rel_threshold=max(metric.rel, self.spike_ratio - 1), abs_threshold=metric.abs_s)
@@ -137,6 +140,8 @@ class StragglerDetector:
             verdict = vote_against_peers(windowed, rel_threshold=metric.rel, abs_threshold=abs_margin,
                                          z_threshold=PEER_Z)
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
+            if metric.label == "compute":
+                outliers = self._arrive_last(outliers, self.window)
         self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
                            sorted(spikes)))
         for r in samples:
@@ -182,7 +187,8 @@ class StragglerDetector:
             return [], False
         verdict = vote_against_peers(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now,
                                      z_threshold=PEER_Z)
-        outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
+        outliers = self._arrive_last(set(verdict.outliers) if verdict.status == "attributed" else set(),
+                                     FINE_WINDOW)
         out = []
         for r in norm:
             hist = self._fine_flags.setdefault(r, deque(maxlen=FINE_M))
@@ -191,6 +197,25 @@ class StragglerDetector:
             if f is not None:
                 out.append(f)
         return out, bool(outliers)
+
+    def _note_waits(self, recs: dict[int, StepRecord]) -> None:
+        gpu = self.compute_measure == "gpu"
+        for r, rec in recs.items():
+            self._waits.setdefault(r, deque(maxlen=FINE_WINDOW)).append(rec.gpu_wait_s if gpu else rec.wait_s)
+
+    def _arrive_last(self, outliers: set[int], window: int) -> set[int]:
+        """Keep the outliers whose peers wait for them: a compute straggler arrives last at the collectives, so
+        over the same window it waits no longer than the median of its peers. Time-sharing noise on a busy
+        machine inflates a rank's CPU time for a while without making it the one the others wait for."""
+        if not outliers:
+            return outliers
+        recent = {r: statistics.median(list(w)[-window:]) for r, w in self._waits.items() if len(w) >= window}
+        kept = set()
+        for r in outliers:
+            peers = [x for q, x in recent.items() if q != r]
+            if r not in recent or not peers or recent[r] <= statistics.median(peers):
+                kept.add(r)
+        return kept
 
     def _judge_two(self, step: int, recs: dict[int, StepRecord], samples: dict[int, float],
                    metric: Metric) -> list[Finding]:

@@ -19,7 +19,7 @@ from trainscout.probe.requests import RequestFile
 from trainscout.probe.step_timing import STEP_PG_INDEX
 
 EXCHANGE_BYTES = 256 * 1024
-REPEATS = 3
+REPEATS = 5
 
 
 def round_robin(members: list[int]) -> list[dict[int, int]]:
