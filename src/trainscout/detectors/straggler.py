@@ -6,7 +6,7 @@ AND absolute thresholds, robust z) flags the slow side, in two tiers:
 - fast: each rank's median over its last 8 steps, 20 % above the median of its peers (a 30 % straggler
   is named in about 10 steps);
 - fine: each rank's median over its last 32 steps of its time relative to the same step's peers (the
-  step-to-step swings of a shared machine cancel), 6 % above its peers (a 10 % straggler).
+  step-to-step swings of a shared machine cancel), 9 % above its peers (a 10 % straggler).
 Each rank is judged against its peers only (leave-one-out): with 4 ranks the class median and spread
 would include the slow rank itself, and any healthy rank that is fast for its own reasons. An outlier
 counts only if its peers wait for it (its collective wait over the window is at most its peers' median).
@@ -47,7 +47,7 @@ METRICS = (
     Metric("ckpt_s", "checkpoint_write", rel=0.5, abs_s=0.05),
 )
 FINE_WINDOW = 32
-FINE_REL = 0.06
+FINE_REL = 0.09
 FINE_ABS_S = 0.001
 PEER_Z = 5.0  # robust z of a rank's windowed value against its peers' median and MAD (leave-one-out)
 FINE_K, FINE_M = 12, 16
