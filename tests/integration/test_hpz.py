@@ -16,6 +16,7 @@ runs stay side by side. Skipped when DeepSpeed is not installed.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -161,7 +162,10 @@ def hpz_jobs(tmp_path_factory):
 
 
 def _checked(output: str) -> list[int]:
-    return [int(line.split("HPZ_CHECKED=")[1].split()[0]) for line in output.splitlines() if "HPZ_CHECKED=" in line]
+    """Each rank's count of checked parameters. Two ranks' prints can land on one line of the launcher's
+    output (torchrun interleaves them), so match the pattern anywhere rather than line by line."""
+    by_rank = {int(r): int(n) for r, n in re.findall(r"rank (\d+): HPZ_CHECKED=(-?\d+)", output)}
+    return [by_rank[r] for r in sorted(by_rank)]
 
 
 def test_healthy_hpz_job_is_silent(hpz_jobs):
