@@ -66,7 +66,7 @@ class StragglerDetector:
         self._windows: dict[tuple[int, str], deque] = {}
         self._fine: dict[int, deque] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
         self._fine_flags: dict[int, deque] = {}
-        self._waits: dict[int, deque] = {}  # rank -> gradient-sync wait, last `window` steps (2-rank order)
+        self._waits: dict[int, deque] = {}  # rank -> collective wait, last FINE_WINDOW steps (arrival order)
         self.intermittent_min = intermittent_min
         self._pending: dict[int, dict] = {}  # step -> {"ranks": {rank: StepRecord}, "t": first seen}
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent (step, flagged, ratio)
@@ -221,11 +221,10 @@ class StragglerDetector:
                    metric: Metric) -> list[Finding]:
         """Two ranks: no majority. The slower one must also be the one that waits less (arrives last)."""
         windowed = self._windowed(samples, metric)
-        gpu = self.compute_measure == "gpu"
+        self._note_waits(recs)
         waits = {}
-        for r, rec in recs.items():
-            w = self._waits.setdefault(r, deque(maxlen=self.window))
-            w.append(rec.gpu_wait_s if gpu else rec.wait_s)
+        for r in recs:
+            w = list(self._waits[r])[-self.window:]
             if len(w) == self.window and min(w) >= 0:  # -1: not measured, no order to read
                 waits[r] = statistics.median(w)
         if len(windowed) < 2 or len(waits) < 2 or step <= WARMUP_STEPS:
