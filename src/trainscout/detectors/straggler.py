@@ -13,8 +13,9 @@ counts only if its peers wait for it (its collective wait over the window is at 
 Persistence turns flags into a finding (6 of the last 8, or 12 of the last 16 evaluations); regularly
 spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period.
 Compute is the GPU time from the step's start to the end of backward where the job runs on CUDA (all
-ranks report it), else CPU time. With two ranks there is no majority: a rank whose compute is slower
-AND who waits less for the other in the gradient sync (it arrives last) is named, at lower confidence.
+ranks report it), else CPU time. With two ranks there is no majority: a rank whose compute is slower, over
+8 steps and over the last 32, AND who waits less for the other in the gradient sync (it arrives last) is
+named, at lower confidence.
 Only durations measured on one clock are compared, so no cross-host clock agreement is needed.
 A uniformly slow job has no outlier. Communication stragglers are comm_straggler.py's.
 """
@@ -67,6 +68,7 @@ class StragglerDetector:
         self._fine: dict[int, deque] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
         self._fine_flags: dict[int, deque] = {}
         self._waits: dict[int, deque] = {}  # rank -> collective wait, last FINE_WINDOW steps (arrival order)
+        self._two_ratio: deque = deque(maxlen=FINE_WINDOW)  # 2 ranks: higher rank's compute / lower rank's
         self.intermittent_min = intermittent_min
         self._pending: dict[int, dict] = {}  # step -> {"ranks": {rank: StepRecord}, "t": first seen}
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent (step, flagged, ratio)
@@ -227,12 +229,21 @@ class StragglerDetector:
             w = list(self._waits[r])[-self.window:]
             if len(w) == self.window and min(w) >= 0:  # -1: not measured, no order to read
                 waits[r] = statistics.median(w)
+        lo, hi = sorted(samples)
+        if samples[lo] > 0:
+            self._two_ratio.append(samples[hi] / samples[lo])
         if len(windowed) < 2 or len(waits) < 2 or step <= WARMUP_STEPS:
             return []
         (fast, c_fast), (slow, c_slow) = sorted(windowed.items(), key=lambda kv: kv[1])
         ratio = c_slow / c_fast if c_fast > 0 else float("inf")
+        # Without a majority one noisy episode of a shared machine must not be enough: the slower rank
+        # must also be slower over the last FINE_WINDOW steps (median of the per-step ratio), so a verdict
+        # needs a slowdown that lasts; a 9-step 1.36x excursion of a healthy rank (2 ranks on 2 busy
+        # cores) was once named within 8 steps.
+        sustained = len(self._two_ratio) == FINE_WINDOW and statistics.median(
+            x if slow == hi else 1 / x for x in self._two_ratio) > 1 + metric.rel
         flagged = (c_slow - c_fast > metric.rel * c_fast and c_slow - c_fast > metric.abs_s
-                   and waits[slow] < waits[fast])
+                   and waits[slow] < waits[fast] and sustained)
         self.trace.append((step, "compute-2", {r: round(x, 5) for r, x in windowed.items()},
                            [slow] if flagged else [], {r: round(x, 5) for r, x in waits.items()}))
         out = []

@@ -35,7 +35,7 @@ _MAX_REPORTS = 8
 
 
 class NonFiniteCheck:
-    def __init__(self, append, get_step, on_error=None) -> None:
+    def __init__(self, append, get_step, on_error=None, on_cpu=None) -> None:
         self.append = append
         self.get_step = get_step
         self.on_error = on_error  # (text) -> None: a failed CUDA check disables itself and says why
@@ -60,6 +60,7 @@ class NonFiniteCheck:
         self.counts_error = ""
         self.device_checks = 0  # vectors submitted
         self.spent_s = 0.0  # host time of the CUDA path (arm, end-of-backward launch, judging)
+        self.on_cpu = on_cpu  # told the training-thread CPU of the end-of-backward check (not user compute)
 
     def _report(self, what: str, name: str, step_offset: int = 1) -> None:
         # the step being computed: `step` optimizer steps are done (after the step hook: offset 0)
@@ -195,7 +196,7 @@ class NonFiniteCheck:
         if not self._cpu_armed:
             return
         self._cpu_armed = False
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             import torch
 
@@ -210,6 +211,8 @@ class NonFiniteCheck:
         except Exception:
             pass  # fail open: never raise into the autograd engine
         self.spent_s += time.perf_counter() - t0
+        if self.on_cpu is not None:
+            self.on_cpu(time.thread_time() - c0)
 
     def _backward_started(self, grad_outputs):
         # The first node of the pass runs: a callback queued now runs before those DDP queues later.

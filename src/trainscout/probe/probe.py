@@ -55,7 +55,8 @@ class Probe:
                                           period=_env_number("TRAINSCOUT_STATE_PERIOD", 0))
         self.nonfinite = None
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
-            self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error)
+            self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error,
+                                            on_cpu=lambda seconds: self.timing.exclude_cpu(seconds))
         self.gather_check = None
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
@@ -318,6 +319,15 @@ class Probe:
         self.writer.set("step", self.step)
         self.writer.set("step_ns", time.monotonic_ns())
         self.timing.after_step(self.step)
+        probe_cpu0 = time.thread_time()
+        try:
+            self._checks_after_step(optimizer)
+        finally:  # the probe's own checks are not the rank's compute (straggler timing)
+            self.timing.exclude_cpu(time.thread_time() - probe_cpu0)
+        if self.injector is not None:  # injected extra compute is the rank's: counted
+            self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
+
+    def _checks_after_step(self, optimizer) -> None:
         if self.nonfinite is not None:
             self.nonfinite.check_step()
         if self.step == 1 and self.nonfinite is not None:
@@ -350,8 +360,6 @@ class Probe:
             except Exception as exc:  # fail open
                 self.link_probe = None
                 self._error(f"link probe disabled: {exc!r}")
-        if self.injector is not None:
-            self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
 
 
 def _world_group_name() -> str:

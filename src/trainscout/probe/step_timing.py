@@ -7,9 +7,9 @@ data is data-loader stalled, one in `torch.save` checkpoint-write stalled. A slo
 member of a process group wait longer in that group's collectives while compute stays the same.
 
 Measured per optimizer step, all as durations on this rank's own clocks:
-- compute: CPU time of the training thread minus its CPU in data loading and checkpoint writes (the
-  communication library's and the probe's own threads are not compute, and their share differs by rank
-  role: a collective's root does more); on CUDA also the
+- compute: CPU time of the training thread minus its CPU in data loading, checkpoint writes and the
+  probe's own checks on that thread (the communication library's and the probe's own threads are not
+  compute either, and their share differs by rank role: a collective's root does more); on CUDA also the
   GPU time from the step's start to the end of backward (CUDA events, read back when complete: no sync);
 - wait: time blocked in collectives issued from Python (per process group) plus the gradient-sync wait
   between the end of backward and the optimizer step (DDP / FSDP finish their reductions there);
@@ -38,6 +38,7 @@ class StepTiming:
         self.data_s = 0.0
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
+        self.probe_cpu_s = 0.0  # CPU the probe's own checks took on the training thread: not "compute" either
         self.wait_s = 0.0
         self.pg_wait: dict[str, float] = {}  # Python-level collective time per process group, this step
         self._backward_end: float | None = None
@@ -70,6 +71,10 @@ class StepTiming:
         if self._cuda is not None and self._ev_backward is not None:
             self._ev_pre = self._event()
 
+    def exclude_cpu(self, seconds: float) -> None:
+        """The probe spent this much CPU on the training thread (its checks, not the user's compute)."""
+        self.probe_cpu_s += seconds
+
     def add_wait(self, pg_name: str, seconds: float) -> None:
         """A blocking collective issued from Python took this long (the tap measures it)."""
         self.wait_s += seconds
@@ -77,7 +82,7 @@ class StepTiming:
 
     def after_step(self, step: int) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
-        compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s)
+        compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s - self.probe_cpu_s)
         fields = (step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9), int(self.data_s * 1e6),
                   int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait),
                   int(self._host_to_backward_s * 1e6))
@@ -100,7 +105,7 @@ class StepTiming:
         if step > 1:
             self.total_wall_s += self.last_wall_s
         self._wall, self._cpu = wall, cpu
-        self.data_s = self.ckpt_s = self.io_cpu_s = self.wait_s = self._host_to_backward_s = 0.0
+        self.data_s = self.ckpt_s = self.io_cpu_s = self.probe_cpu_s = self.wait_s = self._host_to_backward_s = 0.0
         self.pg_wait = {}
         self._backward_end = None
 
