@@ -86,6 +86,11 @@ def _topology(result) -> dict:
     return json.loads(path.read_text())
 
 
+def _probe_errors(result) -> list[str]:
+    events = [json.loads(line) for line in (result.run_path / "events.jsonl").read_text().splitlines() if line]
+    return [e["error"] for e in events if e.get("kind") == "probe_error"]
+
+
 def _check_topology(fw: Framework, result) -> None:
     topo = _topology(result)
     declared: dict[str, list] = {}
@@ -130,13 +135,19 @@ def test_framework_topology_and_culprits_without_code_change(jobs, tmp_path, nam
         # the script issues two Python collectives a step; the rest are DTensor's functional all-reduces,
         # which only the Flight Recorder sees: counting them puts the hang far beyond 2 per step
         assert hang["collective_seq"] > 2 * HANG_STEP + 2, got.describe()
+        assert _probe_errors(got) == [], got.describe()
     _check_topology(fw, got)
 
     if clean is not None:
         ok = clean.wait(JOB_TIMEOUT_S)
         assert ok.returncode == 0, ok.describe()
         assert ok.findings == [], ok.describe()
+        assert _probe_errors(ok) == [], ok.describe()  # e.g. a record described unlike the Flight Recorder's
         _check_topology(fw, ok)
+        if name == "tp":  # DTensor's functional all-reduces are put on record before issue
+            for rank in range(fw.nproc):
+                report = json.loads(Path(report_path(str(ok.run_path), rank)).read_text())
+                assert report.get("functional_collectives_recorded", 0) >= 6, report
         checked = _state_bytes(ok, fw.nproc)
         if fw.replicas:  # every replica fingerprinted its state and they all agreed (no finding)
             assert all(b > 0 for b in checked), checked

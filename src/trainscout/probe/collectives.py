@@ -2,7 +2,8 @@
 
 The Flight Recorder sees every collective but not its reduce op or root; these wrappers add that
 for collectives issued from Python, keyed by (group name, the sequence number the call will get),
-and give fault injection its hook. For the common single-tensor collectives they also put the record
+and give fault injection its hook. The functional all-reduce (DTensor, TorchTitan) is recorded the
+same way. For the common single-tensor collectives they also put the record
 in the channel before issuing the call, described exactly as the Flight Recorder would describe it
 (the publisher checks that and counts differences): a call that then hangs, or aborts its process,
 is already on record. They never change what the call does unless a fault is planned.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 from collections import OrderedDict
 from typing import Callable
@@ -52,6 +54,8 @@ class CollectiveTap:
         self._injector = injector
         self._on_error = on_error
         self._broken = False
+        self._functional_broken = False
+        self.functional_recorded = 0  # functional all-reduces put on record before issue
         self._c10d = None
         self.originals: dict[str, Callable] = {}
         self._sigs: dict[Callable, inspect.Signature | None] = {}
@@ -123,6 +127,49 @@ class CollectiveTap:
             self._on_error(f"collective tap disabled: {exc!r}")
             return None
 
+    # ---- functional collectives (DTensor, TorchTitan): recorded before issue as well ----------------
+    def patch_functional(self, funcol_module) -> None:
+        """Wrap `torch.distributed._functional_collectives.all_reduce`. Its call returns at once and the
+        wait comes later (`.item()`, `wait_tensor`), where the Flight Recorder's entry may not reach the
+        probe's thread before the rank blocks: a rank stuck there would look as far behind as a rank
+        that never issued the call. Recording it first, as the c10d wrappers do, puts it on record."""
+        fn = getattr(funcol_module, "all_reduce", None)
+        if fn is None or getattr(fn, "__trainscout_wrapped__", False):
+            return
+        sig = self._signature(fn)
+        resolve = getattr(funcol_module, "_resolve_group_name", None)
+        if sig is None or resolve is None:
+            return
+        self.originals["functional.all_reduce"] = fn
+
+        @functools.wraps(fn)
+        def all_reduce(*args, **kwargs):
+            if not self._functional_broken and not _compiling():
+                self._note_functional(sig, resolve, args, kwargs)
+            return fn(*args, **kwargs)
+
+        all_reduce.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
+        funcol_module.all_reduce = all_reduce
+
+    def _note_functional(self, sig, resolve, args, kwargs) -> None:
+        try:
+            bound = sig.bind(*args, **kwargs).arguments
+            c10d = self._c10d or sys.modules["torch.distributed.distributed_c10d"]
+            group = c10d._resolve_process_group(resolve(bound["group"], bound.get("tag", "")))
+            if c10d._rank_not_in_group(group):
+                return
+            seq = int(group._get_sequence_number_for_group()) + 1
+            extra = f"op={str(bound['reduceOp']).upper()}"
+            self.extras[(group.group_name, seq)] = extra
+            if len(self.extras) > _MAX_EXTRAS:
+                self.extras.popitem(last=False)
+            if self.record_sync is not None:
+                self._record_now("all_reduce", group.group_name, seq, bound["self"], extra)
+                self.functional_recorded += 1
+        except Exception as exc:  # fail open: the Flight Recorder still reports the call, later
+            self._functional_broken = True
+            self._on_error(f"functional collective tap disabled: {exc!r}")
+
     def _record_now(self, op: str, pg_name: str, seq: int, tensor, extra: str) -> None:
         dtype = _recorder_dtype(tensor)
         if dtype is None:
@@ -144,6 +191,16 @@ class CollectiveTap:
 
     def pop_extra(self, pg_name: str, seq: int) -> str:
         return self.extras.pop((pg_name, seq), "")
+
+
+def _compiling() -> bool:
+    """Inside torch.compile tracing a call is not issued now: nothing to record."""
+    try:
+        import torch
+
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
 
 
 def _recorder_dtype(tensor) -> str | None:

@@ -109,6 +109,8 @@ class Probe:
         h = hooks()
         h.on_import("torch.distributed.distributed_c10d", self._patch_c10d)
         h.on_import("torch.optim.optimizer", self._hook_optimizer)
+        h.on_import("torch.distributed._functional_collectives",
+                    self._guarded(self.tap.patch_functional, "functional collective tap"))
         if self.nonfinite is not None:
             h.on_import("torch.autograd", self._guarded(self.nonfinite.patch_autograd, "loss check"))
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
@@ -170,6 +172,8 @@ class Probe:
     def costs(self) -> dict:
         """What the probe's own checks cost this rank (seconds on the training thread), for the run's summary."""
         out: dict = {"rank": self.rank, "steps": self.step, "step_wall_s": self.timing.total_wall_s}
+        if self.tap.functional_recorded:
+            out["functional_collectives_recorded"] = self.tap.functional_recorded
         sc = self.state_check
         if sc is not None:
             out["state_check"] = {"seconds": sc.spent_s, "bytes": sc.checked_bytes, "stride": sc.stride,
