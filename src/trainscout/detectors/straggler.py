@@ -142,10 +142,13 @@ class StragglerDetector:
             verdict = vote_against_peers(windowed, rel_threshold=metric.rel, abs_threshold=abs_margin,
                                          z_threshold=PEER_Z)
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
+            voted = sorted(outliers)
             if metric.label == "compute":
                 outliers = self._arrive_last(outliers, self.window)
-        self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
-                           sorted(spikes)))
+        if metric.label == "compute":  # what the vote said, what arrival order kept, and the waits it read
+            waits = {r: round(statistics.median(list(w)[-self.window:]), 5) for r, w in self._waits.items()}
+            self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
+                               sorted(spikes), voted if len(windowed) >= 3 else [], waits))
         for r in samples:
             if r in spikes:
                 self._flag_steps.setdefault((r, metric.label), []).append(step)
