@@ -42,6 +42,15 @@ def test_noisy_healthy_ranks_give_no_finding(seed):
     assert _feed(det, range(1, 300), WORLD, lambda r, s: 0.02, seed=seed, noise=0.15) == []
 
 
+def test_a_start_up_episode_is_not_a_straggler():
+    """A healthy rank 1.4x slower over steps 10-18, its peers waiting for it meanwhile (seen in CI)."""
+    det = StragglerDetector()
+    episode = lambda r, s: r == 2 and 10 <= s <= 18  # noqa: E731
+    found = _feed(det, range(1, 120), WORLD, lambda r, s: 0.012 * (1.4 if episode(r, s) else 1.0),
+                  wait=lambda r, s: 0.02 if episode(r, s) else (0.025 if 10 <= s <= 18 else 0.02))
+    assert found == []
+
+
 def test_two_ranks_name_the_slow_gpu_by_arrival_order():
     det = StragglerDetector()
     slow = lambda r, s: r == 1 and s > 10  # noqa: E731
