@@ -42,6 +42,18 @@ def test_noisy_healthy_ranks_give_no_finding(seed):
     assert _feed(det, range(1, 300), WORLD, lambda r, s: 0.02, seed=seed, noise=0.15) == []
 
 
+def test_two_ranks_slow_together_are_not_one_straggler():
+    """Ranks 1 and 3 slow together (two processes on one busy core, seen in a clean run): leave-one-out puts
+    rank 3 25 % over a peer median made of rank 1 and two fast ranks, rank 1 just under the threshold; rank 3
+    does not stand clear of the rest."""
+    det = StragglerDetector()
+    factor = {1: 1.19, 3: 1.25}
+    pair = lambda r, s: r in factor and 40 <= s < 70  # noqa: E731
+    found = _feed(det, range(1, 120), WORLD, lambda r, s: 0.013 * (factor[r] if pair(r, s) else 1.0),
+                  wait=lambda r, s: 0.018 if pair(r, s) else (0.03 if 40 <= s < 70 else 0.02), noise=0.02)
+    assert found == []
+
+
 def test_a_start_up_episode_is_not_a_straggler():
     """A healthy rank 1.4x slower over steps 10-18, its peers waiting for it meanwhile (seen in CI)."""
     det = StragglerDetector()

@@ -9,7 +9,9 @@ AND absolute thresholds, robust z) flags the slow side, in two tiers:
   step-to-step swings of a shared machine cancel), 9 % above its peers (a 10 % straggler).
 Each rank is judged against its peers only (leave-one-out): with 4 ranks the class median and spread
 would include the slow rank itself, and any healthy rank that is fast for its own reasons. An outlier
-counts only if its peers wait for it (its collective wait over the window is at most its peers' median).
+counts only if it stands clear of every other rank (half the threshold above the slowest of the rest: two
+ranks slow together share a cause) and its peers wait for it (its collective wait over the window is at
+most its peers' median).
 Persistence turns flags into a finding (6 of the last 8, or 12 of the last 16 evaluations); regularly
 spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period.
 Compute is the GPU time from the step's start to the end of backward where the job runs on CUDA (all
@@ -145,7 +147,7 @@ class StragglerDetector:
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
             voted = sorted(outliers)
             if metric.label == "compute":
-                outliers = self._arrive_last(outliers, self.window)
+                outliers = self._arrive_last(_clear_of_the_rest(windowed, outliers, metric.rel / 2), self.window)
         if metric.label == "compute":  # what the vote said, what arrival order kept, and the waits it read
             waits = {r: round(statistics.median(list(w)[-self.window:]), 5) for r, w in self._waits.items()}
             self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
@@ -193,8 +195,8 @@ class StragglerDetector:
             return [], False
         verdict = vote_against_peers(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now,
                                      z_threshold=PEER_Z)
-        outliers = self._arrive_last(set(verdict.outliers) if verdict.status == "attributed" else set(),
-                                     FINE_WINDOW)
+        voted = set(verdict.outliers) if verdict.status == "attributed" else set()
+        outliers = self._arrive_last(_clear_of_the_rest(norm, voted, FINE_REL / 2), FINE_WINDOW)
         out = []
         for r in norm:
             hist = self._fine_flags.setdefault(r, deque(maxlen=FINE_M))
@@ -305,6 +307,18 @@ class StragglerDetector:
                                 f"slow every {period} steps (steps {', '.join(map(str, recent))})"),
                        evidence={"type": metric.label, "intermittent": True, "period": period,
                                  "flagged_steps": recent})
+
+
+def _clear_of_the_rest(values: dict[int, float], outliers: set[int], gap: float) -> set[int]:
+    """Keep the outliers that stand clear of every other rank: at least `gap` (relative) above the slowest of
+    the rest. Two ranks slow together (two processes on one busy core) share a cause; leave-one-out would
+    still put one of them 30 % over a median made of the other and two fast ranks."""
+    kept = set()
+    for r in outliers:
+        rest = [v for q, v in values.items() if q != r and q not in outliers]
+        if not rest or values[r] >= (1 + gap) * max(rest):
+            kept.add(r)
+    return kept
 
 
 def _ratio_to_peers(rank: int, values: dict[int, float]) -> float:
