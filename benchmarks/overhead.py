@@ -162,7 +162,7 @@ def main() -> int:
             + ("" if quiet else not_quiet),
             f"- uptime before `{up_before}`; after `{up_after}`",
             f"- {args.pairs} interleaved pairs, {args.nproc} ranks, {args.steps} steps, first {args.warmup} steps "
-            f"ignored; step time from rank 0; run dirs under `{out}`",
+            f"ignored; step time from rank 0; run dirs under `<out-dir>`",
             f"- env: trainscout side {ts_env or 'defaults'}; baseline side {base_env or 'defaults'}",
             f"- overhead (median of run medians): **{100 * (mt / mb - 1):+.2f} %** ({verdict} the 1 % bar)",
             "- CPU per step: CPU seconds of the whole process tree (ranks, torchrun, and on the trainscout side the "
@@ -176,7 +176,7 @@ def main() -> int:
         body.append(f"**Runs that failed or wrote no timings:** {failed}")
     if not args.no_record:
         title = "Healthy-path overhead (benchmarks/overhead.py)" + (f": {args.label}" if args.label else "")
-        append_results(title, info, command_line(), "\n".join(body))
+        append_results(title, info, command_line().replace(str(out), "<out-dir>"), "\n".join(body))
     return 0 if not failed else 1
 
 
