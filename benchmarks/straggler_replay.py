@@ -4,7 +4,7 @@ The coordinator writes the last 400 compute steps it judged into `events.jsonl` 
 rank's compute per step and the 8-step median waits arrival order read). Feeding them to today's detector
 shows what it would have said on those runs, next to what was said live: a cheap check of a rule change
 against the false findings and the detections already recorded. Approximation: arrival order is read from
-the traced 8-step medians in both tiers (the fine tier uses 32-step medians live), so the fine tier can name
+the traced 8-step medians in both tiers (the fine tier uses its full window live), so the fine tier can name
 a rank earlier than it did live. Runs whose trace does not start at step 2 (older code kept fewer steps) are
 skipped.
 

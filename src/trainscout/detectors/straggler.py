@@ -5,7 +5,7 @@ across them; what differs is how the step was spent. Per step, a statistical C3 
 AND absolute thresholds, robust z) flags the slow side, in two tiers:
 - fast: each rank's median over its last 8 steps, 20 % above the median of its peers (a 30 % straggler
   is named in about 10 steps);
-- fine: each rank's median over its last 32 steps of its time relative to the same step's peers (the
+- fine: each rank's median over its last 64 steps of its time relative to the same step's peers (the
   step-to-step swings of a shared machine cancel), 9 % above its peers (a 10 % straggler).
 Each rank is judged against its peers only (leave-one-out): with 4 ranks the class median and spread
 would include the slow rank itself, and any healthy rank that is fast for its own reasons. An outlier
@@ -49,7 +49,11 @@ METRICS = (
     Metric("data_s", "data_loading", rel=0.5, abs_s=0.02),
     Metric("ckpt_s", "checkpoint_write", rel=0.5, abs_s=0.05),
 )
-FINE_WINDOW = 32
+# 64 steps: a healthy rank 0 ran 1.10-1.2x of its peers for ~40 steps on a loaded 2-core machine (its peers
+# waiting for it) and was named by a 32-step median; any window short enough to name a 10 % straggler within
+# ~40 steps names such a drift too, so the fine tier trades ~30 steps of latency for ignoring it.
+FINE_WINDOW = 64
+TWO_RANK_WINDOW = 32  # 2 ranks: the slower one must also be slower over this many steps
 FINE_REL = 0.09
 FINE_ABS_S = 0.001
 PEER_Z = 5.0  # robust z of a rank's windowed value against its peers' median and MAD (leave-one-out)
@@ -71,7 +75,7 @@ class StragglerDetector:
         self._fine: dict[int, deque] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
         self._fine_flags: dict[int, deque] = {}
         self._waits: dict[int, deque] = {}  # rank -> collective wait, last FINE_WINDOW steps (arrival order)
-        self._two_ratio: deque = deque(maxlen=FINE_WINDOW)  # 2 ranks: higher rank's compute / lower rank's
+        self._two_ratio: deque = deque(maxlen=TWO_RANK_WINDOW)  # 2 ranks: higher rank's compute / lower rank's
         self.intermittent_min = intermittent_min
         self._pending: dict[int, dict] = {}  # step -> {"ranks": {rank: StepRecord}, "t": first seen}
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent (step, flagged, ratio)
@@ -149,7 +153,7 @@ class StragglerDetector:
             if metric.label == "compute":
                 outliers = self._arrive_last(_clear_of_the_rest(windowed, outliers, metric.rel / 2), self.window)
         if metric.label == "compute":  # what the vote said, what arrival order kept, and the waits it read
-            waits = {r: round(statistics.median(list(w)[-self.window:]), 5) for r, w in self._waits.items()}
+            waits = {r: round(x, 5) for r, x in self._recent_waits(self.window).items()}
             self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
                                sorted(spikes), voted if len(windowed) >= 3 else [], waits))
         for r in samples:
@@ -217,7 +221,7 @@ class StragglerDetector:
         machine inflates a rank's CPU time for a while without making it the one the others wait for."""
         if not outliers:
             return outliers
-        recent = {r: statistics.median(list(w)[-window:]) for r, w in self._waits.items() if len(w) >= window}
+        recent = self._recent_waits(window, full_only=True)
         kept = set()
         for r in outliers:
             peers = [x for q, x in recent.items() if q != r]
@@ -225,16 +229,25 @@ class StragglerDetector:
                 kept.add(r)
         return kept
 
+    def _recent_waits(self, window: int, full_only: bool = False, measured_only: bool = False) -> dict[int, float]:
+        """Each rank's median collective wait over its last `window` steps (arrival order: the last to arrive
+        waits least). full_only: only ranks with `window` steps recorded; measured_only: also none unmeasured (-1)."""
+        out = {}
+        for r, w in self._waits.items():
+            recent = list(w)[-window:]
+            if not recent or (full_only or measured_only) and len(recent) < window:
+                continue
+            if measured_only and min(recent) < 0:
+                continue
+            out[r] = statistics.median(recent)
+        return out
+
     def _judge_two(self, step: int, recs: dict[int, StepRecord], samples: dict[int, float],
                    metric: Metric) -> list[Finding]:
         """Two ranks: no majority. The slower one must also be the one that waits less (arrives last)."""
         windowed = self._windowed(samples, metric)
         self._note_waits(recs)
-        waits = {}
-        for r in recs:
-            w = list(self._waits[r])[-self.window:]
-            if len(w) == self.window and min(w) >= 0:  # -1: not measured, no order to read
-                waits[r] = statistics.median(w)
+        waits = self._recent_waits(self.window, measured_only=True)  # -1: not measured, no order to read
         lo, hi = sorted(samples)
         if samples[lo] > 0:
             self._two_ratio.append(samples[hi] / samples[lo])
@@ -243,10 +256,10 @@ class StragglerDetector:
         (fast, c_fast), (slow, c_slow) = sorted(windowed.items(), key=lambda kv: kv[1])
         ratio = c_slow / c_fast if c_fast > 0 else float("inf")
         # Without a majority one noisy episode of a shared machine must not be enough: the slower rank
-        # must also be slower over the last FINE_WINDOW steps (median of the per-step ratio), so a verdict
+        # must also be slower over the last TWO_RANK_WINDOW steps (median of the per-step ratio), so a verdict
         # needs a slowdown that lasts; a 9-step 1.36x excursion of a healthy rank (2 ranks on 2 busy
         # cores) was once named within 8 steps.
-        sustained = len(self._two_ratio) == FINE_WINDOW and statistics.median(
+        sustained = len(self._two_ratio) == TWO_RANK_WINDOW and statistics.median(
             x if slow == hi else 1 / x for x in self._two_ratio) > 1 + metric.rel
         flagged = (c_slow - c_fast > metric.rel * c_fast and c_slow - c_fast > metric.abs_s
                    and waits[slow] < waits[fast] and sustained)
