@@ -58,12 +58,9 @@ def test_nccl_clean_run_has_no_finding(tmp_path):
     assert findings == []
 
 
-GPU_STRAGGLERS = {"TRAINSCOUT_GPU_STRAGGLERS": "1"}
-
-
 def test_gpu_spin_straggler_is_named_by_arrival_order(tmp_path):
     done, findings = _run(tmp_path, "gpuslow", inject="gpuslow:rank=1:step=30:ms=10", steps=200,
-                          script_args=("--hidden", "2048"), env=GPU_STRAGGLERS)
+                          script_args=("--hidden", "2048"))
     assert done.returncode == 0, done.stdout[-3000:]
     assert [(f["kind"], f["culprit_ranks"], f["evidence"]["type"]) for f in findings] == [
         ("straggler", [1], "compute")], json.dumps(findings, indent=1) + done.stdout[-3000:]
@@ -76,6 +73,6 @@ def test_gpu_spin_straggler_is_named_by_arrival_order(tmp_path):
 
 
 def test_gpu_job_without_slowdown_has_no_straggler(tmp_path):
-    done, findings = _run(tmp_path, "gpuclean", steps=200, script_args=("--hidden", "2048"), env=GPU_STRAGGLERS)
+    done, findings = _run(tmp_path, "gpuclean", steps=200, script_args=("--hidden", "2048"))
     assert done.returncode == 0, done.stdout[-3000:]
     assert findings == [], json.dumps(findings, indent=1)

@@ -73,6 +73,22 @@ def test_a_thirty_step_drift_is_not_a_straggler():
     assert found == []
 
 
+@pytest.mark.parametrize("world", [(0, 1), WORLD])
+def test_a_cuda_job_is_never_judged_by_host_cpu_time(world):
+    """Rank 0's host CPU time 1.6x its peers' (seen on a clean 2-GPU FSDP2 job): with GPU compute off, or with
+    its GPU spans unread (-2), a CUDA job's compute is not judged at all."""
+    cpu = lambda r, s: 0.01 * (1.6 if r == 0 and s > 10 else 1.0)  # noqa: E731
+    waits = lambda r, s: 0.001 if r == 0 else 0.01  # noqa: E731
+    off = StragglerDetector(gpu_compute=False)
+    assert _feed(off, range(1, 120), world, cpu, wait=waits, gpu=lambda r, s: 0.02, gpu_wait=waits, noise=0.01) == []
+    unread = StragglerDetector()
+    assert _feed(unread, range(1, 120), world, cpu, wait=waits, gpu=lambda r, s: -2.0, gpu_wait=waits,
+                 noise=0.0) == []
+    plain = StragglerDetector(gpu_compute=False)  # the same numbers on a CPU job are a straggler
+    found = _feed(plain, range(1, 120), world, cpu, wait=waits, noise=0.01)
+    assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([0], "compute")]
+
+
 def test_two_ranks_name_the_slow_gpu_by_arrival_order():
     det = StragglerDetector()
     slow = lambda r, s: r == 1 and s > 10  # noqa: E731

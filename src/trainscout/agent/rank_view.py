@@ -211,7 +211,8 @@ class RankView:
         self._steps_out.append(StepRecord(
             step=int(rec["step"]), wall_s=int(rec["rolling_hash"]) / 1e9, cpu_s=int(rec["entry_hash"]) / 1e9,
             data_s=us[0] / 1e6, ckpt_s=us[1] / 1e6, wait_s=us[2] / 1e6,
-            gpu_s=us[3] / 1e6 if us[3] >= 0 else -1.0, gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else -1.0,
+            gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], -2)),
+            gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], -2)),
             pg_wait=pg_wait))
 
     def _ingest_state(self, rec) -> None:

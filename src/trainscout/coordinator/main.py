@@ -84,7 +84,7 @@ class Coordinator:
         self.nonfinite = NonFiniteDetector()
         self.replay = ReplayDetector()
         # GPU-side compute spans: off unless asked for, until validated on GPUs (docs/stragglers.md)
-        self.straggler = StragglerDetector(gpu_compute=os.environ.get("TRAINSCOUT_GPU_STRAGGLERS", "0") == "1")
+        self.straggler = StragglerDetector(gpu_compute=os.environ.get("TRAINSCOUT_GPU_STRAGGLERS", "1") != "0")
         self.topology = TopologyTracker()
         self.topology_file = os.path.join(run_dir, "topology.json")
         self.abort_on = abort_on or set()

@@ -69,7 +69,8 @@ class StragglerDetector:
     def __init__(self, k: int = 6, m: int = 8, wait_s: float = 5.0, intermittent_min: int = 5,
                  window: int = 8, spike_ratio: float = 1.5, gpu_compute: bool = True) -> None:
         self.k, self.m, self.wait_s = k, m, wait_s
-        self.gpu_compute = gpu_compute  # judge CUDA jobs by their GPU-side spans (else: host CPU time)
+        self.gpu_compute = gpu_compute  # judge CUDA jobs by their GPU-side spans (else: not their compute)
+        self.cuda_job = False  # some rank reported a CUDA step
         self.window, self.spike_ratio = window, spike_ratio
         self._windows: dict[tuple[int, str], deque] = {}
         self._fine: dict[int, deque] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
@@ -116,10 +117,15 @@ class StragglerDetector:
     # ---- per step ------------------------------------------------------------------------------
     def _samples(self, recs: dict[int, StepRecord], metric: Metric) -> dict[int, float]:
         if metric.label == "compute":
+            # A CUDA job's host CPU time is not its compute (the host spins in synchronising calls, and a
+            # host-bound rank 0 read 1.62x its peer on a clean 2-GPU FSDP2 job): judge GPU spans or nothing.
+            self.cuda_job = self.cuda_job or any(rec.gpu_s >= 0 or rec.gpu_s == -2 for rec in recs.values())
+            if not self.cuda_job:
+                return {r: rec.cpu_s for r, rec in recs.items()}
             if self.gpu_compute and all(rec.gpu_s >= 0 for rec in recs.values()):
                 self.compute_measure = "gpu"
                 return {r: rec.gpu_s for r, rec in recs.items()}
-            return {r: rec.cpu_s for r, rec in recs.items()}
+            return {}  # GPU compute off, or a step whose GPU time some rank could not read
         # only ranks that loaded data / wrote a checkpoint this step are comparable (a rank-0-only
         # checkpoint is a design choice, not a straggler)
         return {r: getattr(rec, metric.name) for r, rec in recs.items() if getattr(rec, metric.name) > 0}

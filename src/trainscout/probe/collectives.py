@@ -49,6 +49,9 @@ class CollectiveTap:
                  record_sync: Callable | None = None) -> None:
         self.record_sync = record_sync
         self.on_wait: Callable[[str, float], None] | None = None  # (group name, seconds) of a blocking call
+        # CUDA jobs: an event before a blocking call (or None) and the call's end given that event (StepTiming)
+        self.on_begin: Callable[[], object] | None = None
+        self.on_end: Callable[[object], None] | None = None
         self.extras: "OrderedDict[tuple[str, int], str]" = OrderedDict()
         self._get_step = get_step
         self._injector = injector
@@ -85,11 +88,14 @@ class CollectiveTap:
             pg_name = None
             if not self._broken and sig is not None:
                 pg_name = self._note(call_name, call_fn, args, kwargs)
+            begin = self.on_begin() if pg_name is not None and self.on_begin is not None else None
             try:
                 return call_fn(*args, **kwargs)
             finally:
                 if pg_name is not None and self.on_wait is not None:
                     self.on_wait(pg_name, time.perf_counter() - t0)
+                if begin is not None:
+                    self.on_end(begin)
 
         wrapper.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
         return wrapper

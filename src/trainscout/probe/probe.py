@@ -75,6 +75,7 @@ class Probe:
         self.model = None
         self.timing = StepTiming(self.publisher.append_locked)
         self.tap.on_wait = self.timing.add_wait
+        self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
         self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self.timing.add_checkpoint)
         # 200: one replay cost ~20 ms of a demo rank's time (4 ranks on 2 cores, the broadcast waits for
         # the slowest replica), 0.45 % of step time at every 100 steps; 200 keeps it well inside 0.5 %

@@ -27,7 +27,11 @@ from collections import deque
 STEP_PG_INDEX = -4
 SLOW_FETCH_S = 0.05  # a data fetch this slow gets its call site recorded (at most once per SITE_EVERY_S)
 SITE_EVERY_S = 10.0
-_GPU_PENDING_MAX = 8  # steps whose GPU events are still in flight; older ones are given up (-1)
+# Steps whose GPU events are still in flight; older ones are given up (GPU_UNMEASURED). A GPU-bound job's
+# host ran ~100 steps ahead of its GPU (a few kernels a step, nothing synchronising): at 8 every step was
+# given up and the job had no GPU timings at all. Three events a step: 256 steps cost nothing to hold.
+_GPU_PENDING_MAX = 256
+GPU_UNMEASURED = -2  # a CUDA step whose GPU span was not read (-1: not a CUDA step)
 
 
 class StepTiming:
@@ -53,8 +57,11 @@ class StepTiming:
         self._ev_start = None
         self._ev_backward = None
         self._ev_pre = None
-        self._gpu_pending: deque = deque()  # (step, record fields, A, B, C)
+        self._gpu_pending: deque = deque()  # (record fields, A, B, C, collective pairs)
         self._free_events: list = []
+        # Python-level collectives between A and B (e.g. a logged loss all-reduced after the optimizer step):
+        # the training stream waits there for the slowest rank, which is not this rank's compute
+        self._coll_events: list = []
 
     # ---- step boundaries -------------------------------------------------------------------
     def backward_ended(self) -> None:
@@ -75,6 +82,22 @@ class StepTiming:
         """The probe spent this much CPU on the training thread (its checks, not the user's compute)."""
         self.probe_cpu_s += seconds
 
+    def collective_begin(self):
+        """Before a blocking Python-level collective: an event on the training stream (CUDA jobs), else None."""
+        if self._cuda is None or self._ev_start is None or self._ev_backward is not None:
+            return None  # after backward the wait is already in B..C
+        try:
+            return self._event()
+        except Exception:
+            return None
+
+    def collective_end(self, begin) -> None:
+        """After it: the training stream's wait for it is begin..end, taken out of this rank's compute."""
+        try:
+            self._coll_events.append((begin, self._event()))
+        except Exception:
+            self._free_events.append(begin)
+
     def add_wait(self, pg_name: str, seconds: float) -> None:
         """A blocking collective issued from Python took this long (the tap measures it)."""
         self.wait_s += seconds
@@ -86,9 +109,10 @@ class StepTiming:
         fields = (step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9), int(self.data_s * 1e6),
                   int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait),
                   int(self._host_to_backward_s * 1e6))
+        pairs, self._coll_events = self._coll_events, []
         if self._cuda is not None and self._ev_start is not None and self._ev_backward is not None \
                 and self._ev_pre is not None:
-            self._gpu_pending.append((fields, self._ev_start, self._ev_backward, self._ev_pre))
+            self._gpu_pending.append((fields, self._ev_start, self._ev_backward, self._ev_pre, pairs))
         else:
             self._emit(fields, -1, -1)
         if self._cuda is not None:
@@ -99,7 +123,7 @@ class StepTiming:
             except Exception:  # fail open: no GPU timings from now on, CPU ones go on
                 self._cuda = None
                 for fields, *_ in self._gpu_pending:
-                    self._emit(fields, -1, -1)
+                    self._emit(fields, GPU_UNMEASURED, GPU_UNMEASURED)
                 self._gpu_pending.clear()
         self.last_wall_s = wall - self._wall
         if step > 1:
@@ -139,16 +163,20 @@ class StepTiming:
 
     def _drain_gpu(self, force: bool = False) -> None:
         while self._gpu_pending:
-            fields, a, b, c = self._gpu_pending[0]
+            fields, a, b, c, pairs = self._gpu_pending[0]
             if not (c.query() and b.query()):  # non-blocking; later steps complete later
                 if force or len(self._gpu_pending) > _GPU_PENDING_MAX:
                     self._gpu_pending.popleft()
-                    self._emit(fields, -1, -1)
+                    self._emit(fields, GPU_UNMEASURED, GPU_UNMEASURED)
                     continue
                 return
             self._gpu_pending.popleft()
-            self._emit(fields, int(a.elapsed_time(b) * 1e3), int(b.elapsed_time(c) * 1e3))
+            coll_ms = sum(x.elapsed_time(y) for x, y in pairs)  # recorded before B: complete with it
+            span_ms = a.elapsed_time(b)
+            self._emit(fields, int(max(0.0, span_ms - coll_ms) * 1e3), int((b.elapsed_time(c) + coll_ms) * 1e3))
             self._free_events.extend((a, b, c))
+            for pair in pairs:
+                self._free_events.extend(pair)
 
     def flush(self) -> None:
         if self._gpu_pending and self._cuda is not None:

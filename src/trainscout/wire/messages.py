@@ -80,7 +80,8 @@ class StepRecord(msgspec.Struct, array_like=True):
     data_s: float  # time inside DataLoader iteration
     ckpt_s: float  # time inside torch.save / torch.distributed.checkpoint.save
     wait_s: float = 0.0  # blocked in collectives: Python-level calls + the gradient-sync wait after backward
-    gpu_s: float = -1.0  # CUDA: GPU time from the step's start to the end of backward (-1: not measured)
+    gpu_s: float = -1.0  # CUDA: GPU time from the step's start to the end of backward (-1: not a CUDA step;
+    # -2: a CUDA step whose GPU time was not read)
     gpu_wait_s: float = -1.0  # CUDA: GPU time from the end of backward to the optimizer step (gradient sync)
     pg_wait: dict[str, float] = {}  # Python-level collective time per process group name
 
