@@ -34,6 +34,10 @@ NONFINITE_PG_INDEX = -2
 _MAX_REPORTS = 8
 
 
+# Checks in flight before new ones are skipped: a sync-free FSDP2 job on 2 GPUs ran its host more than 8 steps
+# ahead of the GPU and skipped 10 of 60 checks at 8; each slot is a few bytes of device and pinned memory.
+RESULTS_DEPTH = 32
+
 class NonFiniteCheck:
     def __init__(self, append, get_step, on_error=None, on_cpu=None) -> None:
         self.append = append
@@ -261,7 +265,7 @@ class NonFiniteCheck:
         if self._results is None:
             from trainscout.probe.device_results import DeviceResults
 
-            self._results = DeviceResults(torch.float32, depth=8)
+            self._results = DeviceResults(torch.float32, depth=RESULTS_DEPTH)
         slot = self._results.take(loss.device, 1 + len(grads))
         if slot is None:
             return  # the GPU is far behind: skip this check rather than wait
@@ -307,7 +311,7 @@ class NonFiniteCheck:
 
                 from trainscout.probe.device_results import DeviceResults
 
-                self._results = DeviceResults(torch.float32, depth=8)
+                self._results = DeviceResults(torch.float32, depth=RESULTS_DEPTH)
             slot = self._results.take(loss.device, layout.n_out)
             if slot is None:
                 return True  # the GPU is far behind: skip this check rather than wait
