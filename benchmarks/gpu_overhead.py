@@ -37,6 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO / "benchmarks" / "gpu_workload.py"
 SIDES = ("baseline", "trainscout", "peer")
+NPROC = 2  # ranks per job, one GPU each (--nproc)
+STEPS: list[str] = []  # measured steps per run, when not the workload's default 40 (--steps)
 VARIANTS: dict[str, dict] = {}  # extra trainscout sides: name -> environment (--variant), e.g. a check off
 WORKLOADS = {
     "a": {"label": "DDP, hidden 512 / 4 layers / seq 128 / batch 4",
@@ -62,8 +64,8 @@ def _launcher() -> list[str]:
 
 
 def command(side: str, workload: str, timing: str, run_dir: str, run_id: str) -> list[str]:
-    job = [*_launcher(), "--nproc-per-node", "2", "--master-port", str(_port()), str(WORKLOAD),
-           *WORKLOADS[workload]["args"], "--timing-file", timing]
+    job = [*_launcher(), "--nproc-per-node", str(NPROC), "--master-port", str(_port()), str(WORKLOAD),
+           *WORKLOADS[workload]["args"], *STEPS, "--timing-file", timing]
     if side == "peer":
         return job + ["--scout"]
     if side == "trainscout" or side in VARIANTS:
@@ -85,11 +87,11 @@ def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extr
         rc, out = -9, f"timeout after {timeout} s: {exc.stdout or ''}{exc.stderr or ''}"
     row = {"workload": workload, "side": side, "rep": rep, "rc": rc, "wall_s": time.monotonic() - t0,
            "ranks": {}}
-    for rank in (0, 1):
+    for rank in range(NPROC):
         path = Path(timing.replace("{rank}", str(rank)))
         if path.exists():
             row["ranks"][str(rank)] = json.loads(path.read_text())
-    if rc != 0 or len(row["ranks"]) < 2:
+    if rc != 0 or len(row["ranks"]) < NPROC:
         row["tail"] = out[-4000:] if isinstance(out, str) else str(out)[-4000:]
     if side == "trainscout" or side in VARIANTS:
         findings = work / "runs" / run_id / "findings.jsonl"
@@ -112,12 +114,13 @@ def summarise(rows: list[dict]) -> dict:
     for w in dict.fromkeys(r["workload"] for r in rows):
         for side in (*SIDES, *VARIANTS):
             runs = [r for r in rows if r["workload"] == w and r["side"] == side and r["rc"] == 0
-                    and len(r["ranks"]) == 2]
+                    and len(r["ranks"]) == NPROC]
             failed = [r for r in rows if r["workload"] == w and r["side"] == side and r not in runs]
             if not runs:
                 out[(w, side)] = {"n": 0, "failed": len(failed)}
                 continue
             steps0 = [r["ranks"]["0"]["step_ms"] for r in runs]
+            ranks = [str(k) for k in range(NPROC)]
             pooled = [t for s in steps0 for t in s]
             out[(w, side)] = {
                 "n": len(runs),
@@ -127,9 +130,9 @@ def summarise(rows: list[dict]) -> dict:
                 "mean_ms": statistics.mean(pooled),
                 "p95_ms": _pct(pooled, 0.95),
                 "run_p95": [_pct(s, 0.95) for s in steps0],
-                "gpu_peak": [max(r["ranks"][k]["max_memory_allocated"] for k in ("0", "1")) for r in runs],
-                "rss_kb": {k: statistics.median(r["ranks"][k]["VmRSS"] for r in runs) for k in ("0", "1")},
-                "hwm_kb": {k: statistics.median(r["ranks"][k]["VmHWM"] for r in runs) for k in ("0", "1")},
+                "gpu_peak": [max(r["ranks"][k]["max_memory_allocated"] for k in ranks) for r in runs],
+                "rss_kb": {k: statistics.median(r["ranks"][k]["VmRSS"] for r in runs) for k in ranks},
+                "hwm_kb": {k: statistics.median(r["ranks"][k]["VmHWM"] for r in runs) for k in ranks},
                 "params": runs[0]["ranks"]["0"]["params"],
                 "findings": sorted({f for r in runs for f in r.get("findings", [])}),
             }
@@ -145,7 +148,7 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         lines += ["| side | runs ok | median step ms (run medians) | throughput loss (median) | mean step ms "
                   "| throughput loss (mean) | p95 step ms (pooled) | p95 vs baseline "
                   "| GPU peak MiB (median of runs, max over ranks) | GPU peak vs baseline "
-                  "| host RSS MiB rank 0 / 1 (peak) |",
+                  "| host RSS MiB per rank (peak) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for side in (*SIDES, *VARIANTS):
             s = stats.get((w, side))
@@ -161,8 +164,8 @@ def markdown(rows: list[dict], header: list[str]) -> str:
             lines.append(
                 f"| {side} | {s['n']}/{s['n'] + s['failed']} | {s['median_ms']:.3f} ({meds}) | {loss:+.2%} | {s['mean_ms']:.3f} | {mloss:+.2%} | "
                 f"{s['p95_ms']:.3f} | {p95r:+.2%} | {peak / 2**20:.1f} | {(peak - bpeak) / bpeak:+.3%} | "
-                f"{s['rss_kb']['0'] / 1024:.0f} / {s['rss_kb']['1'] / 1024:.0f} "
-                f"({s['hwm_kb']['0'] / 1024:.0f} / {s['hwm_kb']['1'] / 1024:.0f}) |")
+                f"{' / '.join(f'{v / 1024:.0f}' for v in s['rss_kb'].values())} "
+                f"({' / '.join(f'{v / 1024:.0f}' for v in s['hwm_kb'].values())}) |")
         ts = stats.get((w, "trainscout"), {})
         if ts.get("findings"):
             lines += ["", f"trainscout findings on these healthy runs: {ts['findings']}"]
@@ -171,7 +174,7 @@ def markdown(rows: list[dict], header: list[str]) -> str:
             if p:
                 lines += ["", f"{r['side']} probe, rank 0, at the end of run {r['rep']}: {json.dumps(p, sort_keys=True)}"]
         lines.append("")
-    failures = [r for r in rows if r["rc"] != 0 or len(r["ranks"]) < 2]
+    failures = [r for r in rows if r["rc"] != 0 or len(r["ranks"]) < NPROC]
     for r in failures:
         lines += [f"failed run {r['workload']}-{r['side']}-{r['rep']} (exit {r['rc']}), output tail:", "",
                   "```", r.get("tail", "")[-1500:], "```", ""]
@@ -301,6 +304,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="a,b,c")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=2, help="ranks per job, one GPU each (the bar is for 2)")
+    ap.add_argument("--steps", type=int, default=0, help="measured steps per run (default: the workload's 40)")
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--raw", default="", help="append raw rows (JSON lines) here")
@@ -316,6 +321,10 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--block-steps", type=int, default=25)
     args = ap.parse_args()
+    global NPROC
+    NPROC = args.nproc
+    if args.steps:
+        STEPS[:] = ["--steps", str(args.steps)]
     if args.probe_cost:
         text = probe_cost(args.probe_cost, args.blocks, args.block_steps)
         print(text)
@@ -354,8 +363,8 @@ def main() -> int:
     header = [f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label} — {stamp}".replace("  ", " "),
               "", f"- machine: {_machine()}",
               f"- command: `python3 {' '.join(sys.argv)}`",
-              f"- {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
-              "step times, 40 measured steps after 10 warm-up per run",
+              f"- {NPROC} rank(s), one GPU each; {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
+              f"step times, {args.steps or 40} measured steps after 10 warm-up per run",
               f"- trainscout env: {extra_env or 'defaults'}; variants: {VARIANTS or 'none'}"]
     text = markdown(rows, header)
     print(text)
