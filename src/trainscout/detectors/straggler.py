@@ -10,8 +10,9 @@ AND absolute thresholds, robust z) flags the slow side, in two tiers:
 Each rank is judged against its peers only (leave-one-out): with 4 ranks the class median and spread
 would include the slow rank itself, and any healthy rank that is fast for its own reasons. An outlier
 counts only if it stands clear of every other rank (half the threshold above the slowest of the rest: two
-ranks slow together share a cause) and its peers wait for it (its collective wait over the window is at
-most its peers' median).
+ranks slow together share a cause), its peers wait for it (its collective wait over the window is at
+most its peers' median) and, in the fast tier, it is still slow over its last 3 steps (the window's
+median lags the end of an episode).
 Persistence turns flags into a finding (6 of the last 8, or 12 of the last 16 evaluations); regularly
 spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period.
 Compute is the GPU time from the step's start to the end of backward where the job runs on CUDA (all
@@ -63,6 +64,7 @@ TWO_RANK_CONFIDENCE = 0.4
 # rank 0 over steps 2-14 of a healthy demo run, 1.4x for rank 2 over steps 10-16 of another (in CI, 2
 # cores shared by 4 ranks and the test runner). Sustained-slowness windows are not judged before this.
 WARMUP_STEPS = 20
+STILL_SLOW_STEPS = 3  # a flagged rank must still be slow over its last few steps, not only over the window
 
 
 class StragglerDetector:
@@ -158,6 +160,7 @@ class StragglerDetector:
             voted = sorted(outliers)
             if metric.label == "compute":
                 outliers = self._arrive_last(_clear_of_the_rest(windowed, outliers, metric.rel / 2), self.window)
+                outliers = self._still_slow(outliers, metric)
         if metric.label == "compute":  # what the vote said, what arrival order kept, and the waits it read
             waits = {r: round(x, 5) for r, x in self._recent_waits(self.window).items()}
             self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
@@ -232,6 +235,21 @@ class StragglerDetector:
         for r in outliers:
             peers = [x for q, x in recent.items() if q != r]
             if r not in recent or not peers or recent[r] <= statistics.median(peers):
+                kept.add(r)
+        return kept
+
+    def _still_slow(self, outliers: set[int], metric: Metric) -> set[int]:
+        """Keep the outliers whose last STILL_SLOW_STEPS steps are still slow (median, half the threshold over
+        the median of the peers' same): the 8-step median lags the end of an episode, and a healthy rank
+        1.3-1.5x for 12 steps stayed flagged for 4 steps after it was back to 0.9-1.1x, enough for 6 of 8."""
+        if not outliers:
+            return outliers
+        last = {r: statistics.median(list(w)[-STILL_SLOW_STEPS:]) for (r, label), w in self._windows.items()
+                if label == metric.label and len(w) >= STILL_SLOW_STEPS}
+        kept = set()
+        for r in outliers:
+            peers = [v for q, v in last.items() if q != r]
+            if r not in last or not peers or last[r] >= (1 + metric.rel / 2) * statistics.median(peers):
                 kept.add(r)
         return kept
 
