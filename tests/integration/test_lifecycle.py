@@ -88,6 +88,17 @@ def test_run_without_a_command_is_a_usage_error(tmp_path):
     assert list(tmp_path.iterdir()) == [], "nothing should be started or written"
 
 
+def test_a_run_id_that_already_has_a_run_is_refused(tmp_path):
+    """Run files are appended to: a second run there would report the first run's findings as its own."""
+    first = tmp_path / "r1"
+    first.mkdir()
+    (first / "findings.jsonl").write_text('{"kind": "hang"}\n')
+    done = _cli("run", "--run-dir", str(tmp_path), "--run-id", "r1", "--", PY, "-c", "pass")
+    assert done.returncode == 2, done
+    assert "already holds a run" in done.stderr and "--run-id" in done.stderr, done.stderr
+    assert sorted(p.name for p in first.iterdir()) == ["findings.jsonl"], "nothing should be started or written"
+
+
 def test_bad_inject_spec_is_a_usage_error_naming_the_token(tmp_path):
     done = _cli("run", "--run-dir", str(tmp_path), "--inject", "bogus", "--", PY, "-c", "pass")
     assert done.returncode == 2, done
