@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default /tmp/...)")
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")
     args = parser.parse_args()
+    # stopped from outside (kill, pkill): exit through the finally below, which stops the hog processes
+    # (left running, two of them once slowed every later benchmark on the machine)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out, info, up_before = begin("clean", args.out_dir)
 
     rows: list[dict] = []
