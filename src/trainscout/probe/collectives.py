@@ -121,9 +121,7 @@ class CollectiveTap:
                     parts.append(f"{key}={bound[key]}")
             extra = " ".join(parts)
             if extra:
-                self.extras[(group.group_name, seq)] = extra
-                if len(self.extras) > _MAX_EXTRAS:
-                    self.extras.popitem(last=False)
+                self._remember_extra(group.group_name, seq, extra)
             tensor_arg = _SYNC_RECORDED.get(name)
             if tensor_arg and self.record_sync is not None and bound.get(tensor_arg) is not None:
                 self._record_now(name, group.group_name, seq, bound[tensor_arg], extra)
@@ -166,15 +164,19 @@ class CollectiveTap:
                 return
             seq = int(group._get_sequence_number_for_group()) + 1
             extra = f"op={str(bound['reduceOp']).upper()}"
-            self.extras[(group.group_name, seq)] = extra
-            if len(self.extras) > _MAX_EXTRAS:
-                self.extras.popitem(last=False)
+            self._remember_extra(group.group_name, seq, extra)
             if self.record_sync is not None:
                 self._record_now("all_reduce", group.group_name, seq, bound["self"], extra)
                 self.functional_recorded += 1
         except Exception as exc:  # fail open: the Flight Recorder still reports the call, later
             self._functional_broken = True
             self._on_error(f"functional collective tap disabled: {exc!r}")
+
+    def _remember_extra(self, pg_name: str, seq: int, extra: str) -> None:
+        """What the Flight Recorder does not record (reduce op, root): the publisher adds it to the entry."""
+        self.extras[(pg_name, seq)] = extra
+        if len(self.extras) > _MAX_EXTRAS:
+            self.extras.popitem(last=False)
 
     def _record_now(self, op: str, pg_name: str, seq: int, tensor, extra: str) -> None:
         dtype = _recorder_dtype(tensor)

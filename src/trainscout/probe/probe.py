@@ -53,10 +53,11 @@ class Probe:
             self.state_check = StateCheck(run_id, rank, self.publisher.append_locked,
                                           budget=_env_number("TRAINSCOUT_STATE_BUDGET", 0.005),
                                           period=_env_number("TRAINSCOUT_STATE_PERIOD", 0))
+        self.timing = StepTiming(self.publisher.append_locked)
         self.nonfinite = None
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
             self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error,
-                                            on_cpu=lambda seconds: self.timing.exclude_cpu(seconds))
+                                            on_cpu=self.timing.exclude_cpu)
         self.gather_check = None
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
@@ -73,7 +74,6 @@ class Probe:
                                       on_error=self._error)
         self.param_names: dict[int, str] = {}
         self.model = None
-        self.timing = StepTiming(self.publisher.append_locked)
         self.tap.on_wait = self.timing.add_wait
         self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
         self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self.timing.add_checkpoint)
