@@ -233,7 +233,7 @@ def main() -> int:
     cpu_rows.append(["median step ms (rank 0)"] + [fmt(res["median_ms"], 2) for res in results])
     cpu_rows.append(["1-min load at start"] + [fmt(res["load"], 2) for res in results])
     lines = [text_table(cpu_header, cpu_rows)]
-    md = [f"- load: before `{up_before}`; after `{up_after}`", f"- {args.steps} steps; run dirs under `{out}`",
+    md = [f"- load: before `{up_before}`; after `{up_after}`", f"- {args.steps} steps; run dirs under `<out-dir>`",
           f"- env: baseline {args.base_env or 'defaults'}; trainscout {args.trainscout_env or 'defaults'}",
           "", markdown_table(cpu_header, cpu_rows), ""]
     for res in results:
@@ -257,7 +257,7 @@ def main() -> int:
     print("\n".join(lines))
     print(f"uptime after: {up_after}")
     if not args.no_record:
-        append_results("Overhead breakdown (benchmarks/overhead_profile.py)", info, command_line(), "\n".join(md))
+        append_results("Overhead breakdown (benchmarks/overhead_profile.py)", info, command_line().replace(str(out), "<out-dir>"), "\n".join(md))
     return 0
 
 
