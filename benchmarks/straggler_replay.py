@@ -17,9 +17,8 @@ import argparse
 import glob
 import json
 import os
-import statistics
 
-from trainscout.detectors.straggler import StragglerDetector
+from trainscout.detectors.straggler import StragglerDetector, _keep_against_peers
 from trainscout.wire.messages import StepRecord
 
 
@@ -35,12 +34,7 @@ class ReplayedDetector(StragglerDetector):
         waits = self.waits_by_step.get(self.current_step)
         if not outliers or not waits:
             return outliers
-        kept = set()
-        for r in outliers:
-            peers = [v for q, v in waits.items() if int(q) != r]
-            if str(r) not in waits or not peers or waits[str(r)] <= statistics.median(peers):
-                kept.add(r)
-        return kept
+        return _keep_against_peers(outliers, {int(q): v for q, v in waits.items()}, lambda own, peers: own <= peers)
 
 
 def replay(events_path: str) -> list[tuple[list[int], int, str]] | None:

@@ -15,7 +15,7 @@ from trainscout.probe import protocol
 from trainscout.probe.nonfinite import NONFINITE_PG_INDEX
 from trainscout.probe.replay import REPLAY_PG_INDEX
 from trainscout.probe.state_check import STATE_PG_INDEX
-from trainscout.probe.step_timing import STEP_PG_INDEX
+from trainscout.probe.step_timing import GPU_UNMEASURED, STEP_PG_INDEX
 from trainscout.wire.messages import (
     ANCHOR_EVERY,
     CollectiveRecord,
@@ -211,8 +211,8 @@ class RankView:
         self._steps_out.append(StepRecord(
             step=int(rec["step"]), wall_s=int(rec["rolling_hash"]) / 1e9, cpu_s=int(rec["entry_hash"]) / 1e9,
             data_s=us[0] / 1e6, ckpt_s=us[1] / 1e6, wait_s=us[2] / 1e6,
-            gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], -2)),
-            gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], -2)),
+            gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], GPU_UNMEASURED)),
+            gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], GPU_UNMEASURED)),
             pg_wait=pg_wait))
 
     def _ingest_state(self, rec) -> None:

@@ -83,7 +83,7 @@ class Coordinator:
         self.hpz = HpzRaceDetector()
         self.nonfinite = NonFiniteDetector()
         self.replay = ReplayDetector()
-        # GPU-side compute spans: off unless asked for, until validated on GPUs (docs/stragglers.md)
+        # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
         self.straggler = StragglerDetector(gpu_compute=os.environ.get("TRAINSCOUT_GPU_STRAGGLERS", "1") != "0")
         self.topology = TopologyTracker()
         self.topology_file = os.path.join(run_dir, "topology.json")

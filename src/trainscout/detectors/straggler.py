@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.findings import STRAGGLER, Finding
-from trainscout.wire.messages import LinkRecord, StepRecord
+from trainscout.wire.messages import GPU_UNMEASURED, LinkRecord, StepRecord
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class StragglerDetector:
         if metric.label == "compute":
             # A CUDA job's host CPU time is not its compute (the host spins in synchronising calls, and a
             # host-bound rank 0 read 1.62x its peer on a clean 2-GPU FSDP2 job): judge GPU spans or nothing.
-            self.cuda_job = self.cuda_job or any(rec.gpu_s >= 0 or rec.gpu_s == -2 for rec in recs.values())
+            self.cuda_job = self.cuda_job or any(rec.gpu_s >= 0 or rec.gpu_s == GPU_UNMEASURED for rec in recs.values())
             if not self.cuda_job:
                 return {r: rec.cpu_s for r, rec in recs.items()}
             if self.gpu_compute and all(rec.gpu_s >= 0 for rec in recs.values()):
@@ -230,13 +230,8 @@ class StragglerDetector:
         machine inflates a rank's CPU time for a while without making it the one the others wait for."""
         if not outliers:
             return outliers
-        recent = self._recent_waits(window, full_only=True)
-        kept = set()
-        for r in outliers:
-            peers = [x for q, x in recent.items() if q != r]
-            if r not in recent or not peers or recent[r] <= statistics.median(peers):
-                kept.add(r)
-        return kept
+        waits = self._recent_waits(window, full_only=True)
+        return _keep_against_peers(outliers, waits, lambda own, peers: own <= peers)
 
     def _still_slow(self, outliers: set[int], metric: Metric) -> set[int]:
         """Keep the outliers whose last STILL_SLOW_STEPS steps are still slow (median, half the threshold over
@@ -246,12 +241,7 @@ class StragglerDetector:
             return outliers
         last = {r: statistics.median(list(w)[-STILL_SLOW_STEPS:]) for (r, label), w in self._windows.items()
                 if label == metric.label and len(w) >= STILL_SLOW_STEPS}
-        kept = set()
-        for r in outliers:
-            peers = [v for q, v in last.items() if q != r]
-            if r not in last or not peers or last[r] >= (1 + metric.rel / 2) * statistics.median(peers):
-                kept.add(r)
-        return kept
+        return _keep_against_peers(outliers, last, lambda own, peers: own >= (1 + metric.rel / 2) * peers)
 
     def _recent_waits(self, window: int, full_only: bool = False, measured_only: bool = False) -> dict[int, float]:
         """Each rank's median collective wait over its last `window` steps (arrival order: the last to arrive
@@ -344,6 +334,17 @@ class StragglerDetector:
                                 f"slow every {period} steps (steps {', '.join(map(str, recent))})"),
                        evidence={"type": metric.label, "intermittent": True, "period": period,
                                  "flagged_steps": recent})
+
+
+def _keep_against_peers(outliers: set[int], values: dict[int, float], passes) -> set[int]:
+    """The outliers whose value passes `passes(own, median of the others')`; one without a value, or without
+    peers to compare with, is kept (no evidence against it)."""
+    kept = set()
+    for r in outliers:
+        peers = [v for q, v in values.items() if q != r]
+        if r not in values or not peers or passes(values[r], statistics.median(peers)):
+            kept.add(r)
+    return kept
 
 
 def _clear_of_the_rest(values: dict[int, float], outliers: set[int], gap: float) -> set[int]:

@@ -38,6 +38,7 @@ _MAX_REPORTS = 8
 # ahead of the GPU and skipped 10 of 60 checks at 8; each slot is a few bytes of device and pinned memory.
 RESULTS_DEPTH = 32
 
+
 class NonFiniteCheck:
     def __init__(self, append, get_step, on_error=None, on_cpu=None) -> None:
         self.append = append

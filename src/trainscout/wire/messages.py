@@ -71,6 +71,9 @@ class ReplayRecord(msgspec.Struct, array_like=True):
     params: int = 0  # combined fingerprint of the layer's parameters (equal on healthy replicas)
 
 
+GPU_UNMEASURED = -2  # StepRecord.gpu_s / gpu_wait_s of a CUDA step whose GPU span was not read (-1: not CUDA)
+
+
 class StepRecord(msgspec.Struct, array_like=True):
     """One optimizer step of one rank: durations measured by the rank itself (no clock comparison)."""
 
@@ -81,7 +84,7 @@ class StepRecord(msgspec.Struct, array_like=True):
     ckpt_s: float  # time inside torch.save / torch.distributed.checkpoint.save
     wait_s: float = 0.0  # blocked in collectives: Python-level calls + the gradient-sync wait after backward
     gpu_s: float = -1.0  # CUDA: GPU time from the step's start to the end of backward (-1: not a CUDA step;
-    # -2: a CUDA step whose GPU time was not read)
+    # GPU_UNMEASURED: a CUDA step whose GPU time was not read)
     gpu_wait_s: float = -1.0  # CUDA: GPU time from the end of backward to the optimizer step (gradient sync)
     pg_wait: dict[str, float] = {}  # Python-level collective time per process group name
 
