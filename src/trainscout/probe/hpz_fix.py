@@ -108,6 +108,8 @@ class HpzFix:
         self._pending: dict[int, object] = {}  # id(param) -> event recorded behind its latest secondary copy
         self._events: dict[int, object] = {}  # id(param) -> its reusable event
         self._announced = False
+        self._resolves: bool | None = None  # the accelerator's own resolves_data_dependency(), read once
+        self._waiters: dict[int, list] = {}  # copying stream's handle -> the all-gather streams that must wait
 
     # ---- installation -----------------------------------------------------------------------
     def install(self, hooks) -> None:
@@ -138,6 +140,7 @@ class HpzFix:
                 stream = bound.arguments.get("allgather_stream")
                 if stream is not None and all(stream is not s for s in fix.streams):
                     fix.streams.append(stream)
+                    fix._waiters.clear()  # recomputed per copying stream at its next copy
             except Exception:
                 pass  # no stream learnt: releases keep DeepSpeed's stall
 
@@ -197,14 +200,10 @@ class HpzFix:
 
         def all_gather_coalesced(params, *args, **kwargs):
             if pending:
-                import torch
-
-                stream = None
                 for p in params:
                     event = pending.pop(id(p), None)
                     if event is not None:
-                        stream = stream or torch.cuda.current_stream()
-                        stream.wait_event(event)
+                        event.wait()  # the current stream (the all-gather stream here) waits on the copy
             return gather(params, *args, **kwargs)
 
         all_gather_coalesced.__wrapped__ = gather  # type: ignore[attr-defined]
@@ -232,8 +231,9 @@ class HpzFix:
     def partition_secondary(self, real, why, init, param, *args, **kwargs):
         if self.mode == "off":  # switched off after installation (benchmarks switch modes at run time)
             return real(init, param, *args, **kwargs)
-        acc = self._accelerator()
-        if acc._trainscout_real_resolves():
+        if self._resolves is None:
+            self._resolves = bool(self._accelerator()._trainscout_real_resolves())
+        if self._resolves:
             return real(init, param, *args, **kwargs)  # streams resolve dependencies here: no stall, no race
         if why is not None:
             if not self._announced:
@@ -245,7 +245,9 @@ class HpzFix:
         import torch
 
         current = torch.cuda.current_stream()
-        waiters = [s for s in self.streams if s != current]
+        waiters = self._waiters.get(current.cuda_stream)
+        if waiters is None:
+            waiters = self._waiters[current.cuda_stream] = [s for s in self.streams if s != current]
         if not waiters:
             self.kept_stall += 1  # overlap_comm off (the all-gather stream is this one) or none known yet
             return real(init, param, *args, **kwargs)
