@@ -131,6 +131,21 @@ def medians(blocks: list[dict]) -> dict:
             for m, v in by.items()}
 
 
+def paired_ratios(blocks: list[dict]) -> dict:
+    """Median over rounds of each round's mode ratios: the modes of one round ran back to back, so the
+    machine's slow drift (which spreads blocks of one mode by +-15 %) cancels in the ratio."""
+    rounds: dict[int, dict[str, float]] = {}
+    for b in blocks:
+        rounds.setdefault(b["round"], {})[b["mode"]] = b["tokens_per_s"]
+    pairs = {"event/unsafe": ("event", "unsafe"), "event/stall": ("event", "off"), "stall/unsafe": ("off", "unsafe")}
+    out = {}
+    for name, (a, b) in pairs.items():
+        ratios = [r[a] / r[b] for r in rounds.values() if a in r and b in r]
+        if ratios:
+            out[name] = statistics.median(ratios)
+    return out
+
+
 def tc_limit(rate: str) -> str:
     """Rate-limit loopback with a token bucket; returns what happened (the machine may not allow it)."""
     tc = shutil.which("tc")
@@ -283,6 +298,21 @@ def report(res: dict) -> str:
         if "unsafe" in med and "event" in med and "off" in med:
             u, s, e = (med[m]["median_tokens_per_s"] for m in ("unsafe", "off", "event"))
             text += f"; event/unsafe {e / u:.4f}, event/stall {e / s:.4f}, stall/unsafe {s / u:.4f}"
+            paired = paired_ratios(blocks)
+            ph["paired"] = paired
+            text += "; paired per round (median): " + ", ".join(f"{k} {v:.4f}" for k, v in paired.items())
+            # unsafe blocks whose corrupted gathers made DeepSpeed skip optimizer steps are shorter for that
+            # reason alone: the fair comparison keeps only rounds where no block skipped a step
+            clean = [b for b in blocks if b.get("skipped_steps", 0) == 0]
+            dirty_rounds = {b["round"] for b in blocks if b.get("skipped_steps", 0)}
+            paired_clean = paired_ratios([b for b in blocks if b["round"] not in dirty_rounds])
+            ph["paired_clean"] = paired_clean
+            ph["skipped_steps"] = {m: sum(b.get("skipped_steps", 0) for b in blocks if b["mode"] == m) for m in med}
+            text += (f"; optimizer steps skipped by mode {ph['skipped_steps']}; rounds without a skipped step "
+                     f"{len({b['round'] for b in blocks}) - len(dirty_rounds)}: paired (median) "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in paired_clean.items())
+                     + "; medians of blocks without a skipped step: "
+                     + ", ".join(f"{m} {v['median_tokens_per_s']:.0f}" for m, v in medians(clean).items()))
         lines.append(f"- {name}: rc={ph['rc']}: {text}")
     if res.get("socket_tc"):
         lines.append(f"- sockets: {res['socket_tc']}")

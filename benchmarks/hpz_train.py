@@ -237,11 +237,13 @@ def main(argv=None) -> None:
             step += 1
             train_step(batch_for(step))
         for rnd in range(args.bench_rounds):
-            for mode in modes:
+            shift = rnd % len(modes)  # rotate the order so no mode always runs first in its round
+            for mode in modes[shift:] + modes[:shift]:
                 if fix is not None:
                     fix.mode = mode
                 if cuda:
                     torch.cuda.synchronize()
+                skipped = getattr(engine, "skipped_steps", 0)
                 start = time.perf_counter()
                 for _ in range(args.bench_steps):
                     step += 1
@@ -250,8 +252,10 @@ def main(argv=None) -> None:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
                 tokens = args.bench_steps * args.batch * args.seq * world
+                # optimizer steps DeepSpeed skipped on non-finite gradients (corrupted gathers): shorter steps
+                skipped = getattr(engine, "skipped_steps", 0) - skipped
                 result["blocks"].append({"round": rnd, "mode": mode, "seconds": seconds,
-                                         "tokens_per_s": tokens / seconds})
+                                         "tokens_per_s": tokens / seconds, "skipped_steps": skipped})
         if fix is not None:
             fix.mode = "event"
             result["fix"] = fix.describe()
