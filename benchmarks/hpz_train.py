@@ -231,6 +231,15 @@ def main(argv=None) -> None:
                 result["corrupted"].append(bad)
                 result["compared"].append(compared)
     else:
+        # Same work in every mode: the unsafe mode's corrupted gathers give non-finite gradient norms, and
+        # DeepSpeed then skips the optimizer update (18-34 % of unsafe steps in one run), which shortens
+        # those steps for that reason alone. Benchmark blocks therefore always update (the weights may go
+        # NaN in unsafe blocks; the arithmetic costs the same). DeepSpeed 0.19's ZeRO-3 layout.
+        import deepspeed.runtime.zero.stage3 as stage3
+
+        if hasattr(stage3, "is_invalid_grad_norm"):
+            stage3.is_invalid_grad_norm = lambda *a, **k: False
+            result["never_skip"] = True
         modes = args.bench_modes.split(",")
         step = 0
         for _ in range(args.warmup):
