@@ -7,6 +7,7 @@ per-rank input, for scatter the per-rank output, for all-to-all only the dtypes 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 _PER_RANK_INPUT = {"gather"}
@@ -36,6 +37,7 @@ def describe(op: str, in_sizes, in_dtypes, extra: str = "") -> str:
     return f"{text} {extra}".strip()
 
 
+@functools.lru_cache(maxsize=4096)  # the same few signatures recur every step
 def entry_hash(sig: tuple) -> int:
     return int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=8).digest(), "little")
 
