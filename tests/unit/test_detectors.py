@@ -140,6 +140,37 @@ def test_old_deviation_outside_the_window_is_pulled_then_named():
     assert (f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == ([3], 10, "shape")
 
 
+def test_a_pull_that_comes_back_without_the_deviation_is_retried():
+    """An agent busy elsewhere (capturing stacks) answers a pull too late: the deadline resolves it with a
+    rank's records missing. The group must stay checked, not be given up for the rest of the run."""
+    def stream(odd):
+        return [record(s, "all_reduce Float[8]" if (odd and s == 10) else "all_reduce Float[4]") for s in range(1, 46)]
+    ranks = {r: obs(r, [pg(45, stream(r == 3))]) for r in WORLD}
+    det = DesyncDetector()
+    _, (req,) = det.update(ranks)
+    assert det.resolve(req, {r: chain(stream(r == 3)) for r in (0, 1, 2)}) is None  # rank 3 did not answer
+    findings, (again,) = det.update(ranks)
+    assert findings == [] and (again.seq_from, again.seq_to) == (1, 45)
+    f = det.resolve(again, {r: chain(stream(r == 3)) for r in WORLD})
+    assert (f.culprit_ranks, f.collective_seq) == ([3], 10)
+    assert det.update(ranks) == ([], [])  # reported once
+
+
+def test_pulls_that_never_find_the_deviation_stop():
+    def stream(odd):
+        return [record(s, "all_reduce Float[8]" if (odd and s == 10) else "all_reduce Float[4]") for s in range(1, 46)]
+    ranks = {r: obs(r, [pg(45, stream(r == 3))]) for r in WORLD}
+    det = DesyncDetector()
+    pulls = 0
+    while True:
+        _, fetches = det.update(ranks)
+        if not fetches:
+            break
+        pulls += 1
+        assert det.resolve(fetches[0], {}) is None
+    assert pulls == 3
+
+
 # ---- exits --------------------------------------------------------------------------------------------
 
 def _exit(how, code=None, sig=None, msg="", step=20, age=0.0):

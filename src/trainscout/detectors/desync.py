@@ -24,11 +24,15 @@ class FetchRequest:
     ranks: list[int]
 
 
+MAX_FETCHES = 3  # pulls per group that may come back without the deviation before the group is given up
+
+
 class DesyncDetector:
     def __init__(self) -> None:
         self._agreed: dict[str, int] = {}  # pg -> highest seq known to agree
         self._done: set[str] = set()  # groups already reported (hashes differ forever after)
         self._pending: dict[str, FetchRequest] = {}
+        self._fetches: dict[str, int] = {}  # pg -> pulls made
 
     def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
         findings: list[Finding] = []
@@ -62,14 +66,19 @@ class DesyncDetector:
             else:
                 req = FetchRequest(pg=name, seq_from=low, seq_to=top, ranks=sorted(known))
                 self._pending[name] = req
+                self._fetches[name] = self._fetches.get(name, 0) + 1
                 fetches.append(req)
         return findings, fetches
 
     def resolve(self, request: FetchRequest, records: dict[int, list[CollectiveRecord]]) -> Finding | None:
-        """Called with the records the agents returned for a FetchRequest."""
+        """Called with the records the agents returned for a FetchRequest. A pull that came back without the
+        deviation (an agent answered late or not at all, a record was not in yet) leaves the group open: the
+        next comparison pulls again, up to MAX_FETCHES times, rather than never checking the group again."""
         self._pending.pop(request.pg, None)
-        self._done.add(request.pg)
-        return first_deviation(request.pg, "", records, request.seq_from, request.seq_to, pulled=True)
+        finding = first_deviation(request.pg, "", records, request.seq_from, request.seq_to, pulled=True)
+        if finding is not None or self._fetches.get(request.pg, 0) >= MAX_FETCHES:
+            self._done.add(request.pg)
+        return finding
 
 
 def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRecord]], low: int, high: int,
