@@ -63,7 +63,7 @@ def _launcher_node_rank(command: list[str]) -> int | None:
 
 def _run(args, command: list[str]) -> int:
     from trainscout.faults.spec import parse_faults
-    from trainscout.runner.supervisor import RunOptions, Supervisor
+    from trainscout.runner.supervisor import RunOptions, Supervisor, run_dir_of
 
     if not command:
         print("trainscout run: give the launch command after --, e.g. "
@@ -93,20 +93,20 @@ def _run(args, command: list[str]) -> int:
     if node_rank > 0 and not args.coordinator_addr:
         print("trainscout: nodes other than 0 need --coordinator-addr HOST:PORT of node 0", file=sys.stderr)
         return 2
-    if args.run_id:
-        # a run's files are appended to: a second run in the same folder would report the first one's findings
-        run_path = os.path.join(args.run_dir, args.run_id if node_rank == 0 else f"{args.run_id}-node{node_rank}")
-        if any(os.path.exists(os.path.join(run_path, name))
-               for name in ("events.jsonl", "events.supervisor.jsonl", "findings.jsonl")):
-            print(f"trainscout: {run_path} already holds a run (its findings would mix with this one's): "
-                  "choose another --run-id, or remove that folder", file=sys.stderr)
-            return 2
     opts = RunOptions(
         command=command, run_root=args.run_dir, run_id=args.run_id, inject=args.inject,
         hang_timeout_s=args.hang_timeout, stall_timeout_s=args.stall_timeout, abort_on=abort_on,
         coordinator_addr=args.coordinator_addr, serve_coordinator=node_rank == 0,
         node_id=f"node{node_rank}", stack_method=args.stack_method, console=args.console,
     )
+    if args.run_id:
+        # a run's files are appended to: a second run in the same folder would report the first one's findings
+        run_path = run_dir_of(opts, args.run_id)
+        if any(os.path.exists(os.path.join(run_path, name))
+               for name in ("events.jsonl", "events.supervisor.jsonl", "findings.jsonl")):
+            print(f"trainscout: {run_path} already holds a run (its findings would mix with this one's): "
+                  "choose another --run-id, or remove that folder", file=sys.stderr)
+            return 2
     return Supervisor(opts).run()
 
 

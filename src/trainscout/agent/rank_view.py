@@ -15,9 +15,10 @@ from trainscout.probe import protocol
 from trainscout.probe.nonfinite import NONFINITE_PG_INDEX
 from trainscout.probe.replay import REPLAY_PG_INDEX
 from trainscout.probe.state_check import STATE_PG_INDEX
-from trainscout.probe.step_timing import GPU_UNMEASURED, STEP_PG_INDEX
+from trainscout.probe.step_timing import STEP_PG_INDEX
 from trainscout.wire.messages import (
     ANCHOR_EVERY,
+    GPU_UNMEASURED,
     CollectiveRecord,
     LinkRecord,
     NonFiniteEvent,

@@ -24,6 +24,8 @@ import sys
 import time
 from collections import deque
 
+from trainscout.wire.messages import GPU_UNMEASURED  # a CUDA step whose GPU span was not read
+
 STEP_PG_INDEX = -4
 SLOW_FETCH_S = 0.05  # a data fetch this slow gets its call site recorded (at most once per SITE_EVERY_S)
 SITE_EVERY_S = 10.0
@@ -31,7 +33,6 @@ SITE_EVERY_S = 10.0
 # host ran ~100 steps ahead of its GPU (a few kernels a step, nothing synchronising): at 8 every step was
 # given up and the job had no GPU timings at all. Three events a step: 256 steps cost nothing to hold.
 _GPU_PENDING_MAX = 256
-GPU_UNMEASURED = -2  # a CUDA step whose GPU span was not read (-1: not a CUDA step); the agent passes it on
 
 
 class StepTiming:

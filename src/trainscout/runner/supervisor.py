@@ -48,13 +48,18 @@ class RunOptions:
     quiet_launcher: bool = False
 
 
+def run_dir_of(opts: RunOptions, run_id: str) -> str:
+    """This node's folder of a run: the run id on the node that serves the coordinator, else suffixed."""
+    suffix = "" if opts.serve_coordinator else f"-{opts.node_id or 'node'}"
+    return os.path.abspath(os.path.join(opts.run_root, run_id + suffix))
+
+
 class Supervisor:
     def __init__(self, opts: RunOptions, console: ConsoleSink | None = None) -> None:
         self.opts = opts
         self.console = console or ConsoleSink(sys.stderr, rich=False)
         self.run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-        suffix = "" if opts.serve_coordinator else f"-{opts.node_id or 'node'}"
-        self.run_dir = os.path.abspath(os.path.join(opts.run_root, self.run_id + suffix))
+        self.run_dir = run_dir_of(opts, self.run_id)
         os.makedirs(self.run_dir, exist_ok=True)
         self.events = EventLog(os.path.join(self.run_dir, "events.supervisor.jsonl"))
         secret_hex = os.environ.get("TRAINSCOUT_SECRET")
