@@ -15,7 +15,8 @@ most its peers' median) and, in the fast tier, it is still slow over its last 3 
 median lags the end of an episode) and was the slowest rank, clear of the others, in at least half the
 window's steps (on a shared machine the ranks take turns being slow).
 Persistence turns flags into a finding (6 of the last 8, or 12 of the last 16 evaluations); regularly
-spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period.
+spaced spikes (single steps at least 1.5x the peers') give an intermittent straggler with its period
+(periodicity.py: a missed or a stray spike does not hide it).
 Compute is the GPU time from the step's start to the end of backward where the job runs on CUDA (all
 ranks report it), else CPU time. With two ranks there is no majority: a rank whose compute is slower, over
 8 steps and over the last 32, AND who waits less for the other in the gradient sync (it arrives last) is
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
+from trainscout.detectors.periodicity import LOOKBACK, regular_period
 from trainscout.findings import STRAGGLER, Finding
 from trainscout.wire.messages import GPU_UNMEASURED, LinkRecord, StepRecord
 
@@ -85,7 +87,7 @@ class StragglerDetector:
         self.intermittent_min = intermittent_min
         self._pending: dict[int, dict] = {}  # step -> {"ranks": {rank: StepRecord}, "t": first seen}
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent (step, flagged, ratio)
-        self._flag_steps: dict[tuple[int, str], list[int]] = {}
+        self._flag_steps: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent spike steps
         self._reported: set[tuple[int, str, str]] = set()
         self.steps_evaluated = 0
         self.compute_measure = "cpu"  # "gpu" once every rank reports GPU times
@@ -171,14 +173,14 @@ class StragglerDetector:
                                sorted(spikes), voted if len(windowed) >= 3 else [], waits))
         for r in samples:
             if r in spikes:
-                self._flag_steps.setdefault((r, metric.label), []).append(step)
+                self._flag_steps.setdefault((r, metric.label), deque(maxlen=LOOKBACK)).append(step)
             if r in windowed and step > WARMUP_STEPS:
                 hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
                 hist.append((step, r in outliers, _ratio_to_peers(r, windowed)))
                 f = self._persistent(r, metric, hist, self.k, "")
                 if f is not None:
                     out.append(f)
-            f = self._intermittent(r, metric)
+            f = self._intermittent(r, metric) if r in spikes else None
             if f is not None:
                 out.append(f)
         fine_outliers = False
@@ -339,20 +341,18 @@ class StragglerDetector:
                                  "basis": basis or "per-step durations, statistical C3"})
 
     def _intermittent(self, rank, metric) -> Finding | None:
-        steps = self._flag_steps.get((rank, metric.label), [])
         key = (rank, metric.label, "intermittent")
-        if len(steps) < self.intermittent_min or key in self._reported:
-            return None
-        recent = steps[-self.intermittent_min:]
-        gaps = [b - a for a, b in zip(recent, recent[1:])]
-        period = int(statistics.median(gaps))
-        if period < 3 or any(abs(g - period) > period // 5 for g in gaps):
+        if key in self._reported or (rank, metric.label, "persistent") in self._reported:
+            return None  # a rank named slow at every step is not news when it is also slow at some
+        found = regular_period(self._flag_steps.get((rank, metric.label), []), self.intermittent_min)
+        if found is None:
             return None  # not regular, or (nearly) every step: the persistent rule covers that
         self._reported.add(key)
+        recent = found.hits[-self.intermittent_min:]
         return Finding(kind=STRAGGLER, culprit_ranks=[rank], step=recent[-1], confidence=0.8,
                        summary=(f"rank {rank} is an intermittent {metric.label.replace('_', ' ')} straggler: "
-                                f"slow every {period} steps (steps {', '.join(map(str, recent))})"),
-                       evidence={"type": metric.label, "intermittent": True, "period": period,
+                                f"slow every {found.period} steps (steps {', '.join(map(str, recent))})"),
+                       evidence={"type": metric.label, "intermittent": True, "period": found.period,
                                  "flagged_steps": recent})
 
 

@@ -1,0 +1,65 @@
+"""The period of a rank's slow spikes, robust to a missed spike and to a stray one.
+
+A rank slow every N steps is seen as spikes at roughly s0, s0+N, s0+2N, ... On a shared machine a spike
+can fall under the threshold (one slot of the progression stays empty) and a healthy rank can spike once
+for its own reasons (one spike off the progression). Requiring the last few gaps to be all equal loses the
+finding to either; here a progression is accepted when it explains most of what was seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MIN_PERIOD = 3  # spikes closer together are a persistently slow rank, the persistent rule's case
+SLOT_SHARE = 2 / 3  # of the progression's slots between its first and last hit, at least this many hit
+SPIKE_SHARE = 3 / 4  # of the spikes over that span, at least this many on the progression (a persistently
+# slow rank spikes at most steps: every third of them is a progression)
+LOOKBACK = 12  # spikes considered (bounds the search: anchors x periods x spikes, ~10k steps of arithmetic)
+
+
+@dataclass(frozen=True)
+class Period:
+    period: int
+    hits: list[int]  # the spikes on the progression, oldest first
+    slots: int  # slots of the progression from its first hit to its last
+
+
+def regular_period(spikes: Iterable[int], min_hits: int) -> Period | None:
+    """Of the progressions (period >= MIN_PERIOD) with at least `min_hits` spikes on distinct slots, that
+    fill SLOT_SHARE of their slots and hold SPIKE_SHARE of the spikes over their span, the one with the
+    most hits net of empty slots (half the period gains stray spikes but leaves about half its slots empty;
+    twice the period has half the hits); the shorter period wins a tie. None if there is none."""
+    recent = sorted(set(spikes))[-LOOKBACK:]
+    best, best_score = None, None
+    # any two neighbouring hits give the period; the anchor may be a hit whose next slot was missed
+    periods = sorted({b - a for i, a in enumerate(recent) for b in recent[i + 1:] if b - a >= MIN_PERIOD})
+    for anchor in recent:
+        for period in periods:
+            found = _progression(recent, anchor, period, min_hits)
+            if found is None:
+                continue
+            score = (2 * len(found.hits) - found.slots, -found.period)
+            if best_score is None or score > best_score:
+                best, best_score = found, score
+    return best
+
+
+def _progression(spikes: list[int], anchor: int, period: int, min_hits: int) -> Period | None:
+    tolerance = period // 10  # a step boundary seen one step late (periods of 10 and more)
+    slots: dict[int, int] = {}
+    for s in spikes:
+        if s < anchor:
+            continue
+        slot = round((s - anchor) / period)
+        if abs(s - anchor - slot * period) <= tolerance:
+            slots.setdefault(slot, s)
+    if len(slots) < min_hits:
+        return None
+    last_slot = max(slots)
+    span_end = slots[last_slot] + tolerance
+    in_span = sum(1 for s in spikes if anchor <= s <= span_end)
+    if len(slots) < SLOT_SHARE * (last_slot + 1) or len(slots) < SPIKE_SHARE * in_span:
+        return None
+    hits = [slots[k] for k in sorted(slots)]
+    return Period(period=round((hits[-1] - hits[0]) / last_slot), hits=hits, slots=last_slot + 1)

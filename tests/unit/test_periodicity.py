@@ -1,0 +1,68 @@
+"""The period of a rank's spikes: found through a missed and a stray spike, never for a persistent or an
+irregular rank."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainscout.detectors.periodicity import regular_period
+
+
+def test_regular_spikes_give_their_period():
+    found = regular_period([11, 21, 31, 41, 51], 5)
+    assert found is not None and (found.period, found.hits) == (10, [11, 21, 31, 41, 51])
+
+
+def test_a_missed_spike_does_not_hide_the_period():
+    # the old rule (last 5 gaps all equal) saw 21 -> 41 and stayed silent until 5 regular spikes followed
+    found = regular_period([11, 21, 41, 51, 61], 5)
+    assert found is not None and found.period == 10 and found.hits == [11, 21, 41, 51, 61]
+
+
+def test_a_stray_spike_does_not_hide_the_period():
+    found = regular_period([11, 21, 26, 31, 41, 51], 5)
+    assert found is not None and found.period == 10 and 26 not in found.hits
+
+
+def test_a_spike_seen_one_step_late_is_on_the_progression():
+    found = regular_period([10, 20, 31, 40, 50], 5)
+    assert found is not None and found.period == 10
+
+
+def test_too_few_spikes_give_nothing():
+    assert regular_period([11, 21, 31, 41], 5) is None
+
+
+def test_a_persistently_slow_rank_is_not_intermittent():
+    assert regular_period(range(20, 60), 5) is None
+    assert regular_period(range(20, 60, 2), 5) is None  # every other step: below the shortest period
+
+
+def test_mostly_empty_slots_are_not_a_period():
+    # five spikes on period 10 with 3 of its 8 slots empty
+    assert regular_period([0, 10, 30, 50, 70], 5) is None
+
+
+def test_the_period_that_fills_its_slots_wins_over_a_divisor():
+    found = regular_period([10, 30, 50, 60, 90, 110, 130], 5)  # period 10 leaves 6 of 13 slots empty
+    assert found is not None and found.period == 20
+
+
+def test_irregular_spikes_give_nothing():
+    assert regular_period([3, 7, 19, 24, 40, 43, 58, 71], 5) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(period=st.integers(3, 40), start=st.integers(0, 100), n=st.integers(6, 12), data=st.data())
+def test_one_missed_and_one_stray_spike_leave_the_period(period, start, n, data):
+    progression = [start + k * period for k in range(n)]
+    missed = data.draw(st.integers(1, n - 2))  # an inner slot (an end missing just shortens the run)
+    spikes = [s for k, s in enumerate(progression) if k != missed]
+    # a stray spike off the progression: more than a tenth of a period from every slot
+    offsets = [o for o in range(1, period) if min(o, period - o) > period // 10]
+    if offsets:
+        slot = data.draw(st.integers(0, n - 2))
+        spikes.append(progression[slot] + data.draw(st.sampled_from(offsets)))
+    found = regular_period(spikes, 5)
+    assert found is not None and found.period == period, (spikes, found)
