@@ -185,6 +185,8 @@ class Probe:
             out["link_probe"] = {"seconds": self.link_probe.spent_s, "count": self.link_probe.count}
         if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
             out["nonfinite"] = {"seconds": self.nonfinite.spent_s}
+        if self.publisher is not None and self.publisher.dumps:  # on the probe's thread, not the training thread
+            out["flight_recorder"] = {"seconds": self.publisher.dump_s, "dumps": self.publisher.dumps}
         return out
 
     def _write_costs(self) -> None:

@@ -4,8 +4,9 @@ It writes most header fields and appends the records of collectives the Flight R
 Python collective wrappers append records too, synchronously and before the call, so a collective that
 hangs or aborts its process is already on record; a lock keeps the two appenders apart. Records may
 reach the ring out of sequence order: the agent orders and chains them. The publisher reads the Flight
-Recorder's cheap status every tick and dumps entries only when a sequence number moved, at most
-`max_dumps_per_s`. A failure disables the collective check (fail open) and is reported in the header;
+Recorder's cheap status every tick (a moved sequence number is progress) and dumps entries only when
+about half the buffer is new, when progress stopped with entries unread, or MAX_DUMP_GAP_S after the last
+dump. A failure disables the collective check (fail open) and is reported in the header;
 the heartbeat goes on, so the agent can still tell a live rank from a frozen one.
 """
 
@@ -25,6 +26,7 @@ from trainscout.probe import protocol
 
 CHECK_COLLECTIVES = 1
 _KEEP_SYNCED = 4096
+MAX_DUMP_GAP_S = 4.0  # collectives issued from C++ (DDP's all-reduces) reach the agent at least this often
 
 
 class Publisher(threading.Thread):
@@ -37,18 +39,18 @@ class Publisher(threading.Thread):
         self.tap = tap
         self.get_step = get_step
         self.tick_s = tick_s
-        # A full dump costs a few microseconds per buffered entry, so dump as rarely as the buffer allows:
-        # every 2 s, faster when a dump finds the buffer filling up (it must never wrap between dumps).
+        # A full dump costs a few microseconds per buffered entry (5 ms for 256 on a small CPU, every rank),
+        # so dump when about half the buffer is new (it must never wrap between dumps), when progress stops
+        # (a hang or a desync needs the entries now), or after MAX_DUMP_GAP_S; a status poll is cheap.
         self.buffer_entries = max(16, buffer_entries)
-        self.slowest_gap_ns = 2_000_000_000
-        self.fastest_gap_ns = int(min(tick_s, 0.1) * 1e9)
-        self.min_dump_gap_ns = 1_000_000_000
         self.stop_event = threading.Event()
         self.lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._last_status: dict[str, int] = {}
-        self._dirty = False
+        self._dumped_status: dict[str, int] = {}  # the status seen just before the last dump
+        self._records_per_collective = 1.0  # p2p entries fill the buffer too; status counts collectives only
         self._last_dump_ns = 0
+        self.dumps, self.dump_s = 0, 0.0  # Flight Recorder dumps and their cost (this thread, GIL held)
         self._last_record_id = -1
         self._pg_index: dict[str, int] = {}
         self._recorded: dict[str, int] = {}  # pg -> highest seq ingested from the Flight Recorder
@@ -86,19 +88,27 @@ class Publisher(threading.Thread):
             return
         self.writer.set("fr_available", 1)
         st = fr.status()
-        if st != self._last_status:
-            self._last_status = st
-            self._dirty = True
         now = time.monotonic_ns()
-        if self._dirty and (force or now - self._last_dump_ns >= self.min_dump_gap_ns):
-            self._dirty = False
+        moved = st != self._last_status
+        if moved:  # a collective was issued since the last look: progress, whether or not it is ingested yet
+            self._last_status = st
+            with self.lock:
+                self.writer.set("progress_ns", now)
+        issued = sum(max(0, seq - self._dumped_status.get(pg, 0)) for pg, seq in st.items())
+        if not issued:
+            return
+        due = (force or not moved or now - self._last_dump_ns >= MAX_DUMP_GAP_S * 1e9
+               or issued * self._records_per_collective >= self.buffer_entries // 2)
+        if due:
+            self._dumped_status = st
             self._last_dump_ns = now
+            t0 = time.perf_counter()
             entries, _ = fr.entries()
             fresh = self._ingest(entries)
-            if fresh > self.buffer_entries // 4:
-                self.min_dump_gap_ns = max(self.fastest_gap_ns, self.min_dump_gap_ns // 2)
-            elif fresh < self.buffer_entries // 16:
-                self.min_dump_gap_ns = min(self.slowest_gap_ns, self.min_dump_gap_ns * 2)
+            if fresh:
+                self._records_per_collective = max(1.0, fresh / issued)
+            self.dumps += 1
+            self.dump_s += time.perf_counter() - t0
 
     def record_sync(self, pg_name: str, seq: int, op: str, sig: tuple, desc: str) -> None:
         """Called by the Python wrapper before it issues the collective (training thread)."""
