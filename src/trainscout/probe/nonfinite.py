@@ -88,9 +88,7 @@ class NonFiniteCheck:
                 device = getattr(t, "device", None)
                 if device is not None and t.numel() == 1:
                     if device.type == "cpu":
-                        import torch
-
-                        if not bool(torch.isfinite(t.detach()).all()):
+                        if not math.isfinite(t.item()):  # a scalar on the host: no tensor ops needed
                             check._report("loss", "")
                         if check._cpu_params and t.grad_fn is not None:
                             check._cpu_armed = True
@@ -205,14 +203,15 @@ class NonFiniteCheck:
         try:
             import torch
 
-            kept = [(n, p.grad) for n, p in zip(self._cpu_names, self._cpu_params) if p.grad is not None]
-            if kept:
-                # a plain sum per gradient: on CPU it costs about half of _foreach_norm(ord=1), and NaN/Inf
-                # anywhere still makes it non-finite
-                sums = [g.sum() for _, g in kept]
-                finite = torch.isfinite(torch.stack([s if s.dtype == torch.float32 else s.float() for s in sums]))
-                if not bool(finite.all()):
-                    self._report("grad", kept[int((~finite).nonzero()[0])][0])
+            grads = [p.grad for p in self._cpu_params]
+            # One sum per gradient, added up as Python floats: NaN/Inf anywhere makes the total non-finite.
+            # On CPU this is the cheapest exact test measured (per-tensor dispatch dominates on small models):
+            # a quarter cheaper than stacking the sums into a tensor, half of _foreach_norm(ord=1), and
+            # cheaper than one sum over a concatenation.
+            if not math.isfinite(sum(g.sum().item() for g in grads if g is not None)):
+                bad = next((n for n, g in zip(self._cpu_names, grads)
+                            if g is not None and not bool(torch.isfinite(g).all())), "")
+                self._report("grad", bad)
         except Exception:
             pass  # fail open: never raise into the autograd engine
         self.spent_s += time.perf_counter() - t0
