@@ -300,6 +300,7 @@ class Probe:
             return
         broadcast = self.tap.originals.get("broadcast", dist.broadcast)  # unwrapped: no fault rewrites it
         self.replay.attach(ddp.module, self._side_group, min(members), broadcast)
+        self.replay.arm_if_due(self.step + 1)
         if self.state_check is not None:
             self.state_check.replay_layers = [name for name, _ in self.replay.layers]
 
@@ -361,6 +362,8 @@ class Probe:
                     self._error(f"on-command replay at step {request[1]} missed (request read at step {self.step})")
             else:
                 self.replay.prepare(request[2])
+        if self.replay is not None and self._replay_request is None:  # (one on command is armed by prepare)
+            self.replay.arm_if_due(self.step + 1)
         if self.link_probe is not None and self.link_probe.due(self.step):
             try:
                 self.link_probe.run(self.step, self._side_group)

@@ -52,8 +52,24 @@ class Replay:
                 layers.append((name, child))
         self.layers = layers
         self._next_index = 0
-        for name, layer in layers:
+
+    def arm_if_due(self, next_step: int) -> None:
+        """Called after each step: capture the next replay's input only in the step that replays."""
+        if self.due(next_step):
+            self._arm()
+
+    def _arm(self) -> None:
+        # One pre-hook on one layer for one step: a hook on every layer, every step, cost each forward
+        # a Python call per layer for an input kept once every `every` steps.
+        self._disarm()
+        if self.layers:
+            name, layer = self.layers[self._next_index]
             self._handles.append(layer.register_forward_pre_hook(self._capture_hook(name)))
+
+    def _disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def _capture_hook(self, name: str):
         # Only the layer of the next replay keeps its input: one activation held, not one per layer.
@@ -74,6 +90,7 @@ class Replay:
         for i, (name, _) in enumerate(self.layers):
             if name == layer:
                 self._next_index = i
+        self._arm()
 
     def run(self, step: int, on_command: bool = False) -> None:
         import torch
@@ -86,6 +103,7 @@ class Replay:
             index = (step // self.every - 1) % len(self.layers)
             self._next_index = (index + 1) % len(self.layers)
         name, layer = self.layers[index]
+        self._disarm()
         x = self._exchange_input(name)
         self._captured = {}
         if x is None:
