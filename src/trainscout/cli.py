@@ -49,6 +49,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="how stacks are taken from outside a stuck rank (falls back to faulthandler)")
     p.add_argument("--console", choices=["auto", "rich", "plain"], default="auto",
                    help="finding output style (auto: rich on a terminal, plain lines otherwise)")
+    p.add_argument("--monitor-nice", type=int, default=10, metavar="N",
+                   help="CPU niceness added to the agent and coordinator, 0-19 (default 10): on a machine the "
+                        "job keeps busy they use its idle moments instead of delaying a rank")
 
 
 def _launcher_node_rank(command: list[str]) -> int | None:
@@ -78,6 +81,9 @@ def _run(args, command: list[str]) -> int:
     if args.hang_timeout <= 0 or args.stall_timeout <= 0:
         print("trainscout: --hang-timeout and --stall-timeout must be positive", file=sys.stderr)
         return 2
+    if not 0 <= args.monitor_nice <= 19:
+        print(f"trainscout: --monitor-nice must be 0-19, not {args.monitor_nice}", file=sys.stderr)
+        return 2
     from trainscout.findings import KINDS
 
     abort_on = [k for k in args.abort_on.split(",") if k]
@@ -98,6 +104,7 @@ def _run(args, command: list[str]) -> int:
         hang_timeout_s=args.hang_timeout, stall_timeout_s=args.stall_timeout, abort_on=abort_on,
         coordinator_addr=args.coordinator_addr, serve_coordinator=node_rank == 0,
         node_id=f"node{node_rank}", stack_method=args.stack_method, console=args.console,
+        monitor_nice=args.monitor_nice,
     )
     if args.run_id:
         # a run's files are appended to: a second run in the same folder would report the first one's findings

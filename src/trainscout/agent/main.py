@@ -18,6 +18,7 @@ import time
 
 from trainscout.agent import stacks
 from trainscout.agent.rank_view import RankView
+from trainscout.process_priority import lower_priority
 from trainscout.channel.layout import link_probe_request_path, list_channels, replay_request_path, trust_path
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
@@ -171,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-id", default=socket.gethostname())
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default="py-spy")
+    p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
     args = p.parse_args(argv)
+    lower_priority(args.nice)
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     agent = Agent(args.run_id, args.coordinator, secret, args.node_id, interval_s=args.interval,
                   stack_method=args.stack_method)

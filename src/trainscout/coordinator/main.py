@@ -32,6 +32,7 @@ from trainscout.detectors.straggler import StragglerDetector
 from trainscout.findings import HPZ_RACE
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
 from trainscout.integrations.topology import TopologyTracker
+from trainscout.process_priority import lower_priority
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
 from trainscout.wire.endpoints import CoordinatorEndpoint
 from trainscout.wire.messages import (
@@ -458,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-timeout", type=float, default=300.0)
     p.add_argument("--abort-on", default="")
     p.add_argument("--console", choices=["auto", "rich", "plain"], default="auto")
+    p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
     args = p.parse_args(argv)
+    lower_priority(args.nice)
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     endpoint = CoordinatorEndpoint(args.bind, secret)
     rich = {"auto": None, "rich": True, "plain": False}[args.console]

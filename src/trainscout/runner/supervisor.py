@@ -43,6 +43,7 @@ class RunOptions:
     serve_coordinator: bool = True
     node_id: str | None = None
     stack_method: str = "py-spy"
+    monitor_nice: int = 10  # the agent's and coordinator's niceness: they take a busy machine's idle moments
     console: str = "auto"
     fr_buffer: int = 256
     quiet_launcher: bool = False
@@ -97,7 +98,8 @@ class Supervisor:
             bind = f"tcp://{host or '0.0.0.0'}:{port}"
         cmd = [sys.executable, "-m", "trainscout.coordinator", "--bind", bind, "--run-dir", self.run_dir,
                "--hang-timeout", str(self.opts.hang_timeout_s), "--stall-timeout", str(self.opts.stall_timeout_s),
-               "--abort-on", ",".join(self.opts.abort_on), "--console", self.opts.console]
+               "--abort-on", ",".join(self.opts.abort_on), "--console", self.opts.console,
+               "--nice", str(self.opts.monitor_nice)]
         addr_file = os.path.join(self.run_dir, "coordinator.addr")
         if os.path.exists(addr_file):
             os.unlink(addr_file)
@@ -114,7 +116,8 @@ class Supervisor:
 
     def _start_agent(self, address: str) -> None:
         cmd = [sys.executable, "-m", "trainscout.agent", "--run-id", self.run_id, "--coordinator", address,
-               "--node-id", self.opts.node_id or os.uname().nodename, "--stack-method", self.opts.stack_method]
+               "--node-id", self.opts.node_id or os.uname().nodename, "--stack-method", self.opts.stack_method,
+               "--nice", str(self.opts.monitor_nice)]
         self.agent = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
 
     def _launcher_env(self) -> dict[str, str]:

@@ -1,0 +1,20 @@
+"""The monitoring processes run at a lower CPU priority than the job they watch.
+
+A data-parallel step waits for its slowest rank, so a monitor that takes a core from one rank for a few
+milliseconds delays every rank by as much. At a lower priority the kernel runs the monitor in the idle
+moments a busy job leaves (ranks waiting in collectives) rather than preempting a rank; a hung job is idle,
+so the monitor gets all the CPU it needs exactly when it has work.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def lower_priority(nice: int) -> None:
+    """Add `nice` (0-19) to this process's niceness; never a reason to fail."""
+    if nice > 0:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
