@@ -105,3 +105,31 @@ def test_bad_inject_spec_is_a_usage_error_naming_the_token(tmp_path):
     assert "'bogus'" in done.stderr, done.stderr
     assert "valid kinds" in done.stderr and "hang" in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == [], "nothing should be started or written"
+
+
+def test_monitors_run_at_a_lower_priority_than_the_job(tmp_path):
+    """The agent and coordinator take --monitor-nice (default 10) on top of the job's niceness."""
+    bad = _cli("run", "--run-dir", str(tmp_path / "bad"), "--monitor-nice", "20", "--", PY, "-c", "pass")
+    assert bad.returncode == 2 and "--monitor-nice must be 0-19" in bad.stderr, bad
+    run_dir = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "trainscout", "run", "--console", "plain", "--run-dir",
+                             str(run_dir), "--", PY, "-c", "import time; time.sleep(6)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    want = min(19, psutil.Process().nice() + 10)
+    try:
+        seen: dict[str, int] = {}  # the latest niceness read (a monitor lowers its own once it has started)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (len(seen) < 2 or set(seen.values()) != {want}):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    cmd = " ".join(child.cmdline())
+                    for role in ("trainscout.agent", "trainscout.coordinator"):
+                        if f"-m {role} " in cmd:
+                            seen[role] = child.nice()
+                except psutil.Error:
+                    pass
+            time.sleep(0.2)
+    finally:
+        out, _ = proc.communicate(timeout=60)
+    assert seen == {"trainscout.agent": want, "trainscout.coordinator": want}, (seen, out)
+    assert proc.returncode == 0, out
