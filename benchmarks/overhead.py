@@ -87,6 +87,29 @@ def bootstrap_median_ci(ratios: list[float], rounds: int = 4000, seed: int = 0) 
     return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
 
 
+def pooled(paths: list[Path]) -> str:
+    """Per-pair step-time and CPU ratios over several runs' overhead.jsonl (pairs matched by index)."""
+    ratios, cpu = [], []
+    for path in paths:
+        pairs: dict[int, dict] = {}
+        for row in read_jsonl(path):
+            pairs.setdefault(int(row["run_id"].rsplit("-", 1)[1]), {})[row["side"]] = row
+        for pair in pairs.values():
+            b, t = pair.get("base"), pair.get("trainscout")
+            if b and t and b["median_ms"] and t["median_ms"]:
+                ratios.append(t["median_ms"] / b["median_ms"])
+                if b["cpu_ms"] and t["cpu_ms"]:
+                    cpu.append(t["cpu_ms"] / b["cpu_ms"])
+    if not ratios:
+        return "no complete pairs"
+    lo, hi = bootstrap_median_ci(ratios)
+    out = f"{len(ratios)} pairs: per-pair step-time ratio median {median(ratios):.4f} (95 % {lo:.4f}-{hi:.4f})"
+    if cpu:
+        clo, chi = bootstrap_median_ci(cpu)
+        out += f"; per-pair CPU ratio median {median(cpu):.4f} (95 % {clo:.4f}-{chi:.4f})"
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=5, help="baseline/trainscout pairs (default 5)")
@@ -101,7 +124,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")
+    parser.add_argument("--pool", nargs="+", type=Path, metavar="JSONL",
+                        help="run nothing: pool the pairs of earlier runs' overhead.jsonl files (same code) and "
+                             "print the per-pair medians with their 95 %% bootstrap intervals")
     args = parser.parse_args()
+    if args.pool:
+        print(pooled(args.pool))
+        return 0
     ts_env, base_env = parse_env(args.trainscout_env), parse_env(args.baseline_env)
     out = args.out_dir or default_out_dir("overhead")
     out.mkdir(parents=True, exist_ok=True)
