@@ -108,7 +108,9 @@ def test_gil_holding_rank_is_named_and_marked_starved(tmp_path):
 @pytest.mark.parametrize("what,differs_in", [("shape", "shape"), ("dtype", "dtype"), ("op", "op"),
                                              ("reduce", "reduce op")])
 def test_desync_names_the_rank_with_the_different_collective(tmp_path, what, differs_in):
-    result = run_demo(tmp_path, f"desync-{what}", fault="desync", rank=2, step=20, steps=100,
+    # 300 steps: a desync that does not stop the job (another reduce op) is seen once the Flight Recorder
+    # entries before it are read (<= 2 s); the job must still run then for the abort to end it
+    result = run_demo(tmp_path, f"desync-{what}", fault="desync", rank=2, step=20, steps=300,
                       params=(f"what={what}",))
 
     assert result.returncode == FAILED_JOB_EXIT, result.describe()
