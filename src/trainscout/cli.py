@@ -49,9 +49,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="how stacks are taken from outside a stuck rank (falls back to faulthandler)")
     p.add_argument("--console", choices=["auto", "rich", "plain"], default="auto",
                    help="finding output style (auto: rich on a terminal, plain lines otherwise)")
-    p.add_argument("--monitor-nice", type=int, default=10, metavar="N",
-                   help="CPU niceness added to the agent and coordinator, 0-19 (default 10): on a machine the "
-                        "job keeps busy they use its idle moments instead of delaying a rank")
+    p.add_argument("--monitor-nice", type=int, default=0, metavar="N",
+                   help="CPU niceness added to the agent and coordinator, 0-19 (default 0): they then use a busy "
+                        "machine's idle moments, but react later under load")
 
 
 def _launcher_node_rank(command: list[str]) -> int | None:

@@ -43,7 +43,7 @@ class RunOptions:
     serve_coordinator: bool = True
     node_id: str | None = None
     stack_method: str = "py-spy"
-    monitor_nice: int = 10  # the agent's and coordinator's niceness: they take a busy machine's idle moments
+    monitor_nice: int = 0  # added to the agent's and coordinator's niceness (--monitor-nice)
     console: str = "auto"
     fr_buffer: int = 256
     quiet_launcher: bool = False
