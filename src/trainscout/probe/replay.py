@@ -72,15 +72,11 @@ class Replay:
         self._handles.clear()
 
     def _capture_hook(self, name: str):
-        # Only the layer of the next replay keeps its input: one activation held, not one per layer.
+        # Registered only on the layer of the next replay (see _arm): one activation held, not one per layer.
         def hook(module, args):
-            if name == self._next_name and len(args) == 1 and hasattr(args[0], "detach") and module.training:
+            if len(args) == 1 and hasattr(args[0], "detach") and module.training:
                 self._captured = {name: args[0].detach()}
         return hook
-
-    @property
-    def _next_name(self) -> str | None:
-        return self.layers[self._next_index][0] if self.layers else None
 
     def due(self, step: int) -> bool:
         return bool(self.layers) and self.group is not None and step % self.every == 0
