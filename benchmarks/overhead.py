@@ -87,19 +87,22 @@ def bootstrap_median_ci(ratios: list[float], rounds: int = 4000, seed: int = 0) 
     return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
 
 
+def per_pair_ratios(pairs: list[tuple[dict, dict]]) -> tuple[list[float], list[float]]:
+    """Step-time and CPU ratios (trainscout / baseline) of the (baseline, trainscout) pairs that measured them."""
+    ratios = [t["median_ms"] / b["median_ms"] for b, t in pairs if b["median_ms"] and t["median_ms"]]
+    cpu = [t["cpu_ms"] / b["cpu_ms"] for b, t in pairs if b["cpu_ms"] and t["cpu_ms"]]
+    return ratios, cpu
+
+
 def pooled(paths: list[Path]) -> str:
     """Per-pair step-time and CPU ratios over several runs' overhead.jsonl (pairs matched by index)."""
-    ratios, cpu = [], []
+    both: list[tuple[dict, dict]] = []
     for path in paths:
         pairs: dict[int, dict] = {}
         for row in read_jsonl(path):
             pairs.setdefault(int(row["run_id"].rsplit("-", 1)[1]), {})[row["side"]] = row
-        for pair in pairs.values():
-            b, t = pair.get("base"), pair.get("trainscout")
-            if b and t and b["median_ms"] and t["median_ms"]:
-                ratios.append(t["median_ms"] / b["median_ms"])
-                if b["cpu_ms"] and t["cpu_ms"]:
-                    cpu.append(t["cpu_ms"] / b["cpu_ms"])
+        both += [(p["base"], p["trainscout"]) for p in pairs.values() if "base" in p and "trainscout" in p]
+    ratios, cpu = per_pair_ratios(both)
     if not ratios:
         return "no complete pairs"
     lo, hi = bootstrap_median_ci(ratios)
@@ -171,7 +174,7 @@ def main() -> int:
 
     pooled_b = [x for r in base for x in r["steps"]]
     pooled_t = [x for r in ts for x in r["steps"]]
-    pair_ratios = [t["median_ms"] / b["median_ms"] for b, t in zip(base, ts) if b["median_ms"] and t["median_ms"]]
+    pair_ratios, cpu_pairs = per_pair_ratios(list(zip(base, ts)))
     mb, mt = med_of_medians(base), med_of_medians(ts)
     pb50, pt50 = 1000 * median(pooled_b), 1000 * median(pooled_t)
     pb95, pt95 = 1000 * percentile(pooled_b, 95), 1000 * percentile(pooled_t, 95)
@@ -184,7 +187,6 @@ def main() -> int:
     ]
     cpu_b = [r["cpu_ms"] for r in base if r["cpu_ms"]]
     cpu_t = [r["cpu_ms"] for r in ts if r["cpu_ms"]]
-    cpu_pairs = [t["cpu_ms"] / b["cpu_ms"] for b, t in zip(base, ts) if b["cpu_ms"] and t["cpu_ms"]]
     if cpu_b and cpu_t:
         summary.append(["CPU ms per step, all processes (median of runs)", fmt(median(cpu_b), 2),
                         fmt(median(cpu_t), 2), fmt(median(cpu_t) / median(cpu_b), 4)])
