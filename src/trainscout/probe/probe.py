@@ -77,10 +77,13 @@ class Probe:
         self.tap.on_wait = self.timing.add_wait
         self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
         self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self.timing.add_checkpoint)
-        # 200: one replay cost ~20 ms of a demo rank's time (4 ranks on 2 cores, the broadcast waits for
-        # the slowest replica), 0.45 % of step time at every 100 steps; 200 keeps it well inside 0.5 %
+        # At least 200 steps apart, and further when a replay costs more than 0.1 % of the steps between
+        # (a replay synchronises with the GPU: ~14 ms on a 10 ms host-bound CUDA step). An explicit
+        # TRAINSCOUT_REPLAY_EVERY alone means exactly that schedule (tests, short jobs).
         every = _env_number("TRAINSCOUT_REPLAY_EVERY", 200)
-        self.replay = Replay(self.publisher.append_locked, every, rank) if every > 0 else None
+        explicit = "TRAINSCOUT_REPLAY_EVERY" in os.environ and "TRAINSCOUT_REPLAY_BUDGET" not in os.environ
+        budget = 0.0 if explicit else _env_number("TRAINSCOUT_REPLAY_BUDGET", 0.001)
+        self.replay = Replay(self.publisher.append_locked, every, rank, budget) if every > 0 else None
         self._side_group = None  # gloo group over the world with a bounded timeout: replay, link probes
         self.link_probe = None
         if os.environ.get("TRAINSCOUT_LINK_PROBE", "1") != "0":
@@ -180,11 +183,12 @@ class Probe:
             out["state_check"] = {"seconds": sc.spent_s, "bytes": sc.checked_bytes, "stride": sc.stride,
                                   "slots": len(sc._slots), "period_steps": sc.period_steps}
         if self.replay is not None:
-            out["replay"] = {"seconds": self.replay.spent_s, "count": self.replay.count, "every": self.replay.every}
+            out["replay"] = {"seconds": self.replay.spent_s, "count": self.replay.count, "every": self.replay.every,
+                             "interval": self.replay.interval}
         if self.link_probe is not None and self.link_probe.count:
             out["link_probe"] = {"seconds": self.link_probe.spent_s, "count": self.link_probe.count}
         if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
-            out["nonfinite"] = {"seconds": self.nonfinite.spent_s}
+            out["nonfinite"] = {"seconds": self.nonfinite.spent_s, "setup_seconds": self.nonfinite.setup_s}
         if self.publisher is not None and self.publisher.dumps:  # on the probe's thread, not the training thread
             out["flight_recorder"] = {"seconds": self.publisher.dump_s, "dumps": self.publisher.dumps}
         return out
@@ -351,7 +355,7 @@ class Probe:
         on_command = request is not None and request[1] == self.step
         if self.replay is not None and (on_command or self.replay.due(self.step)):
             try:
-                self.replay.run(self.step, on_command=on_command)
+                self.replay.run(self.step, on_command=on_command, step_s=self.timing.last_wall_s)
             except Exception as exc:  # fail open
                 self.replay = None
                 self._error(f"replay disabled: {exc!r}")

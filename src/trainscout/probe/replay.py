@@ -12,22 +12,37 @@ torch.autograd.grad, which leaves `.grad` untouched; parameters are only read.
 
 On CUDA a replay step synchronises the host with the GPU: the side group is gloo, so the source copies
 its captured input to host memory, the receivers copy it back, and the results are read on the host
-(one read for all fingerprints of a replay). Only replay steps do this (every TRAINSCOUT_REPLAY_EVERY
-steps, default 200, and on command); between them replay only keeps a reference to one layer's input, with no device work.
+(one read for all fingerprints of a replay). Only replay steps do this (and on command); between them
+replay only keeps a reference to one layer's input, with no device work.
+
+Schedule. With a `budget` (the default: TRAINSCOUT_REPLAY_BUDGET, 0.1 % of step time), replays are at
+least `every` steps apart and further when a replay costs more than `budget` of the steps between
+(a replay that waits for the GPU to drain costs ~14 ms on a 10 ms host-bound step: every 200 steps
+would be 0.7 %). The source decides the next interval from its last replay's wall time and its step
+time and sends it in the replay's header, so every replica replays at the same steps. Without a
+budget (TRAINSCOUT_REPLAY_EVERY given alone) replays are at exactly the multiples of `every`.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 REPLAY_PG_INDEX = -3
+MAX_STRETCH = 50  # a budgeted interval is at most this many times `every`
+_HEADER = 13  # ndim, dtype, up to 10 dims, the next interval
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
 
 
 class Replay:
-    def __init__(self, append, every: int, rank: int) -> None:
+    def __init__(self, append, every: int, rank: int, budget: float = 0.0) -> None:
         self.append = append
         self.every = max(1, every)
+        self.budget = max(0.0, budget)  # 0: replay at the multiples of `every`
+        self.interval = self.every  # steps to the next scheduled replay (budgeted mode), agreed at each replay
+        self._next_due = self.every
+        self._rotation = 0  # scheduled replays so far (budgeted mode): the next layer of the rotation
+        self._last_s = 0.0  # this rank's last replay, seconds
         self.rank = rank
         self.group = None  # side process group over the replicas
         self.source = 0  # global rank whose captured input is broadcast
@@ -79,7 +94,17 @@ class Replay:
         return hook
 
     def due(self, step: int) -> bool:
-        return bool(self.layers) and self.group is not None and step % self.every == 0
+        if not self.layers or self.group is None:
+            return False
+        return step >= self._next_due if self.budget else step % self.every == 0
+
+    def _proposed_interval(self, step_s: float) -> int:
+        """The source's pick: at least `every`, and long enough that its last replay's time stays within
+        `budget` of the steps in between."""
+        if not self.budget or step_s <= 0 or self._last_s <= 0:
+            return self.interval
+        wanted = math.ceil(self._last_s / (self.budget * step_s))
+        return min(max(self.every, wanted), self.every * MAX_STRETCH)
 
     def prepare(self, layer: str) -> None:
         """An on-command replay of `layer` ("" = the next of the rotation) is coming: capture its input."""
@@ -88,34 +113,48 @@ class Replay:
                 self._next_index = i
         self._arm()
 
-    def run(self, step: int, on_command: bool = False) -> None:
+    def run(self, step: int, on_command: bool = False, step_s: float = 0.0) -> None:
+        """Replay at this step (scheduled, or on command); step_s: this rank's recent step time (budget)."""
         import torch
 
         t0 = time.perf_counter()
+        n = len(self.layers)
         if on_command:  # the layer prepare() chose; then back to the schedule's rotation
             index = self._next_index
-            self._next_index = (step // self.every) % len(self.layers)
+            self._next_index = self._rotation % n if self.budget else (step // self.every) % n
+        elif self.budget:
+            index = self._rotation % n
+            self._rotation += 1
+            self._next_index = self._rotation % n
         else:
-            index = (step // self.every - 1) % len(self.layers)
-            self._next_index = (index + 1) % len(self.layers)
+            index = (step // self.every - 1) % n
+            self._next_index = (index + 1) % n
         name, layer = self.layers[index]
         self._disarm()
-        x = self._exchange_input(name)
+        x, interval = self._exchange_input(name, self._proposed_interval(step_s))
         self._captured = {}
+        if self.budget and interval > 0:
+            self.interval = interval
+            if not on_command or self._next_due <= step:
+                self._next_due = step + interval
         if x is None:
+            self._last_s = time.perf_counter() - t0
             return
         out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
         self.count += 1
         # the parameters' fingerprint tells a wrong computation from corrupted weights
         self.append(REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay",
                     f"{name}|{param_hash:016x}")
-        self.spent_s += time.perf_counter() - t0
+        self._last_s = time.perf_counter() - t0
+        self.spent_s += self._last_s
         del torch
 
-    def _exchange_input(self, name: str):
+    def _exchange_input(self, name: str, interval: int):
+        """(the source's captured input or None, the source's next interval) on every replica."""
         import torch
 
-        header = torch.zeros(12, dtype=torch.int64)
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[_HEADER - 1] = interval
         x = self._captured.get(name)
         if self.rank == self.source:
             if x is None or str(x.dtype).replace("torch.", "") not in _DTYPES or x.dim() > 10:
@@ -125,14 +164,15 @@ class Replay:
                 header[1] = _DTYPES.index(str(x.dtype).replace("torch.", ""))
                 header[2 : 2 + x.dim()] = torch.tensor(x.shape)
         self._broadcast(header, src=self.source, group=self.group)
+        interval = int(header[_HEADER - 1])
         if int(header[0]) < 0:
-            return None
+            return None, interval
         shape = [int(v) for v in header[2 : 2 + int(header[0])]]
         dtype = getattr(torch, _DTYPES[int(header[1])])
         # the side group is gloo: the input travels through host memory, then goes where the layer is
         buf = x.detach().to("cpu", copy=True).contiguous() if self.rank == self.source else torch.empty(shape, dtype=dtype)
         self._broadcast(buf, src=self.source, group=self.group)
-        return buf
+        return buf, interval
 
     def _recompute(self, layer, x, step: int) -> tuple[int, int, int]:
         import torch
