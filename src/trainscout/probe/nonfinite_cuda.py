@@ -99,6 +99,7 @@ class Layout:
         self.dtypes = [t.dtype for t in tensors]
         self.numels = [t.numel() for t in tensors]
         self.nbytes = [t.numel() * t.element_size() for t in tensors]  # checked per step: no read past a tensor
+        self.grad_nbytes = self.nbytes[1:]  # the gradients' part, compared as one list per step
         self.groups = []  # (dtype, tensor indices, items table on the device, first output, items)
         owners: list[int] = []
         table_pos = 0
