@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shlex
 import signal
@@ -115,6 +116,16 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return percentile(values, 50)
+
+
+def bootstrap_median_ci(ratios: list[float], rounds: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of the median of per-pair ratios, resampling pairs (the machine's noise between
+    pairs is far larger than within one pair)."""
+    if not ratios:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    meds = sorted(median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
+    return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
 
 
 def fmt(x: float | None, digits: int = 2) -> str:

@@ -35,10 +35,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _common import bootstrap_median_ci  # noqa: E402
+
 WORKLOAD = REPO / "benchmarks" / "gpu_workload.py"
 SIDES = ("baseline", "trainscout", "peer")
 NPROC = 2  # ranks per job, one GPU each (--nproc)
 STEPS: list[str] = []  # measured steps per run, when not the workload's default 40 (--steps)
+PIN: list[str] = []  # --pin-cpus for the workload: every side's ranks on the same cores
 VARIANTS: dict[str, dict] = {}  # extra trainscout sides: name -> environment (--variant), e.g. a check off
 WORKLOADS = {
     "a": {"label": "DDP, hidden 512 / 4 layers / seq 128 / batch 4",
@@ -65,7 +69,7 @@ def _launcher() -> list[str]:
 
 def command(side: str, workload: str, timing: str, run_dir: str, run_id: str) -> list[str]:
     job = [*_launcher(), "--nproc-per-node", str(NPROC), "--master-port", str(_port()), str(WORKLOAD),
-           *WORKLOADS[workload]["args"], *STEPS, "--timing-file", timing]
+           *WORKLOADS[workload]["args"], *STEPS, *PIN, "--timing-file", timing]
     if side == "peer":
         return job + ["--scout"]
     if side == "trainscout" or side in VARIANTS:
@@ -96,6 +100,7 @@ def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extr
     if side == "trainscout" or side in VARIANTS:
         findings = work / "runs" / run_id / "findings.jsonl"
         row["findings"] = findings.read_text().splitlines() if findings.exists() else []
+        row["probe_costs"] = [json.loads(c.read_text()) for c in sorted((work / "runs" / run_id).glob("probe-cost.rank*.json"))]
     return row
 
 
@@ -139,6 +144,48 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def _ok(r: dict) -> bool:
+    return r["rc"] == 0 and len(r["ranks"]) == NPROC
+
+
+def paired(rows: list[dict], w: str) -> list[str]:
+    """Each side against the baseline of the same round (run-to-run noise on a host-bound job is far larger
+    than the bar, and partly shared by runs close in time): the median of per-round ratios with a 95 %
+    bootstrap interval, for the median and p95 of rank 0's step time and for its host time per step; then
+    what trainscout's own checks spent on the training thread (the probes' cost reports)."""
+    base = {r["rep"]: r for r in rows if r["workload"] == w and r["side"] == "baseline" and _ok(r)}
+    out = ["", "| side | rounds paired | step time vs baseline, median of rounds (95 % CI) "
+           "| p95 vs baseline, median of rounds | host time per step vs baseline, median of rounds |",
+           "| --- | --- | --- | --- | --- |"]
+    for side in (*SIDES, *VARIANTS):
+        if side == "baseline":
+            continue
+        pairs = [(base[r["rep"]]["ranks"]["0"], r["ranks"]["0"]) for r in rows
+                 if r["workload"] == w and r["side"] == side and _ok(r) and r["rep"] in base]
+        if not pairs:
+            continue
+        med = [statistics.median(t["step_ms"]) / statistics.median(b["step_ms"]) for b, t in pairs]
+        p95 = [_pct(t["step_ms"], 0.95) / _pct(b["step_ms"], 0.95) for b, t in pairs]
+        host = [statistics.median(t["host_step_ms"]) / statistics.median(b["host_step_ms"]) for b, t in pairs
+                if t.get("host_step_ms") and b.get("host_step_ms")]
+        lo, hi = bootstrap_median_ci(med)
+        hmed = f"{statistics.median(host) - 1:+.2%}" if host else "n/a"
+        out.append(f"| {side} | {len(pairs)} | {statistics.median(med) - 1:+.2%} ({lo - 1:+.2%} to {hi - 1:+.2%}) "
+                   f"| {statistics.median(p95) - 1:+.2%} | {hmed} |")
+    costs = [c for r in rows if r["workload"] == w and r["side"] == "trainscout" for c in r.get("probe_costs", [])]
+    if costs:
+        from trainscout.sinks.probe_costs import CHECKS, per_step
+
+        parts = []
+        for check in CHECKS:
+            ms, share = per_step(costs, check)
+            if ms:
+                parts.append(f"{check} {statistics.median(ms) * 1000:.0f} us/step ({statistics.median(share):.2f} %)")
+        out += ["", f"trainscout's checks on the training thread (median over {len(costs)} rank reports): "
+                + ("; ".join(parts) or "none ran")]
+    return out
+
+
 def markdown(rows: list[dict], header: list[str]) -> str:
     stats = summarise(rows)
     lines = list(header) + [""]
@@ -166,6 +213,7 @@ def markdown(rows: list[dict], header: list[str]) -> str:
                 f"{s['p95_ms']:.3f} | {p95r:+.2%} | {peak / 2**20:.1f} | {(peak - bpeak) / bpeak:+.3%} | "
                 f"{' / '.join(f'{v / 1024:.0f}' for v in s['rss_kb'].values())} "
                 f"({' / '.join(f'{v / 1024:.0f}' for v in s['hwm_kb'].values())}) |")
+        lines += paired(rows, w)
         ts = stats.get((w, "trainscout"), {})
         if ts.get("findings"):
             lines += ["", f"trainscout findings on these healthy runs: {ts['findings']}"]
@@ -307,6 +355,7 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=2, help="ranks per job, one GPU each (the bar is for 2)")
     ap.add_argument("--steps", type=int, default=0, help="measured steps per run (default: the workload's 40)")
     ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--pin-cpus", default="", help="CPU sets per local rank for every side's ranks, e.g. '4-7;8-11'")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--raw", default="", help="append raw rows (JSON lines) here")
     ap.add_argument("--markdown", default="", help="write the section here")
@@ -325,6 +374,8 @@ def main() -> int:
     NPROC = args.nproc
     if args.steps:
         STEPS[:] = ["--steps", str(args.steps)]
+    if args.pin_cpus:
+        PIN[:] = ["--pin-cpus", args.pin_cpus]
     if args.probe_cost:
         text = probe_cost(args.probe_cost, args.blocks, args.block_steps)
         print(text)
@@ -365,7 +416,8 @@ def main() -> int:
               f"- command: `python3 {' '.join(sys.argv)}`",
               f"- {NPROC} rank(s), one GPU each; {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
               f"step times, {args.steps or 40} measured steps after 10 warm-up per run",
-              f"- trainscout env: {extra_env or 'defaults'}; variants: {VARIANTS or 'none'}"]
+              f"- trainscout env: {extra_env or 'defaults'}; variants: {VARIANTS or 'none'}; "
+              f"rank CPUs: {args.pin_cpus or 'not pinned'}"]
     text = markdown(rows, header)
     print(text)
     if args.markdown:

@@ -74,6 +74,15 @@ def _memory_kb() -> dict[str, int]:
     return out
 
 
+def _cpu_set(spec: str) -> set[int]:
+    """'4-7,12' -> {4, 5, 6, 7, 12}."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def _probe_stats() -> dict | None:
     """What trainscout's probe in this process did (when `trainscout run` attached one): proof that its
     checks ran during the timed steps, for the benchmark's raw rows."""
@@ -114,9 +123,14 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP")
     ap.add_argument("--scout", action="store_true", help="enable lm-resiliency SCOUT (the peer tool)")
     ap.add_argument("--timing-file", default="")
+    ap.add_argument("--pin-cpus", default="",
+                    help="CPU sets per local rank, ';'-separated (e.g. '4-7;8-11'): each rank keeps to its own "
+                         "cores, so runs of different sides see the same placement")
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.pin_cpus:
+        os.sched_setaffinity(0, _cpu_set(args.pin_cpus.split(";")[local_rank]))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -149,6 +163,7 @@ def main() -> None:
     events = [torch.cuda.Event(enable_timing=True) for _ in range(total + 1)]
     events[0].record()
     t_start = time.perf_counter()
+    host_t = [t_start]  # host clock after each step's launches: a host-bound step shows here first
     for step in range(1, total + 1):
         data = torch.randint(0, VOCAB, (args.batch, args.seq + 1), device=device, generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -158,6 +173,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         events[step].record()
+        host_t.append(time.perf_counter())
         if step % 10 == 0 and rank == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     torch.cuda.synchronize()
@@ -167,6 +183,8 @@ def main() -> None:
         "rank": rank,
         "args": vars(args),
         "step_ms": step_ms,
+        "host_step_ms": [1000 * (host_t[i + 1] - host_t[i]) for i in range(args.warmup, total)],
+        "cpus": sorted(os.sched_getaffinity(0)),
         "wall_s_all_steps": wall_s,
         "max_memory_allocated": torch.cuda.max_memory_allocated(device),
         "max_memory_reserved": torch.cuda.max_memory_reserved(device),

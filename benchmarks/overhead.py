@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, CpuSampler, append_results, command_line, date_utc, default_out_dir, fmt, free_port,  # noqa: E402
-                     launch, load1, machine, markdown_table, median, percentile, read_jsonl, text_table, uptime)
+from _common import (PYTHON, CpuSampler, append_results, bootstrap_median_ci, command_line, date_utc,  # noqa: E402
+                     default_out_dir, fmt, free_port, launch, load1, machine, markdown_table, median, percentile,
+                     read_jsonl, text_table, uptime)
 
 BAR = 1.01
 
@@ -75,16 +75,6 @@ def one_run(side: str, index: int, args: argparse.Namespace, out: Path, env: dic
             "median_ms": 1000 * median(kept) if kept else None, "cpu_ms": sampler.cpu_ms_per_step(),
             "p95_ms": 1000 * percentile(kept, 95) if kept else None,
             "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings]}
-
-
-def bootstrap_median_ci(ratios: list[float], rounds: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """95 % interval of the median of per-pair ratios, resampling pairs (the machine's noise between
-    pairs is far larger than within one pair)."""
-    if not ratios:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    meds = sorted(median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
-    return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
 
 
 def per_pair_ratios(pairs: list[tuple[dict, dict]]) -> tuple[list[float], list[float]]:
