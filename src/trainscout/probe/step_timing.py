@@ -33,6 +33,9 @@ SITE_EVERY_S = 10.0
 # host ran ~100 steps ahead of its GPU (a few kernels a step, nothing synchronising): at 8 every step was
 # given up and the job had no GPU timings at all. Three events a step: 256 steps cost nothing to hold.
 _GPU_PENDING_MAX = 256
+# Completed steps' events are read every DRAIN_EVERY steps, several at a time (each read is mostly fixed host
+# cost on the training thread; the step records reach the agent a few steps later).
+DRAIN_EVERY = 4
 
 
 class StepTiming:
@@ -120,7 +123,8 @@ class StepTiming:
             try:
                 self._ev_start = self._event()
                 self._ev_backward = self._ev_pre = None
-                self._drain_gpu()
+                if step % DRAIN_EVERY == 0:
+                    self._drain_gpu()
             except Exception:  # fail open: no GPU timings from now on, CPU ones go on
                 self._cuda = None
                 for fields, *_ in self._gpu_pending:
