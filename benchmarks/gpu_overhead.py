@@ -154,7 +154,7 @@ def paired(rows: list[dict], w: str) -> list[str]:
     bootstrap interval, for the median and p95 of rank 0's step time and for its host time per step; then
     what trainscout's own checks spent on the training thread (the probes' cost reports)."""
     base = {r["rep"]: r for r in rows if r["workload"] == w and r["side"] == "baseline" and _ok(r)}
-    out = ["", "| side | rounds paired | step time vs baseline, median of rounds (95 % CI) "
+    out = ["", "| side | rounds paired | step time vs baseline, median of rounds (95 % CI, or the range under 6 rounds) "
            "| p95 vs baseline, median of rounds | host time per step vs baseline, median of rounds |",
            "| --- | --- | --- | --- | --- |"]
     for side in (*SIDES, *VARIANTS):
@@ -168,9 +168,11 @@ def paired(rows: list[dict], w: str) -> list[str]:
         p95 = [_pct(t["step_ms"], 0.95) / _pct(b["step_ms"], 0.95) for b, t in pairs]
         host = [statistics.median(t["host_step_ms"]) / statistics.median(b["host_step_ms"]) for b, t in pairs
                 if t.get("host_step_ms") and b.get("host_step_ms")]
-        lo, hi = bootstrap_median_ci(med)
+        # a bootstrap of fewer than 6 rounds only restates them: give their range instead
+        lo, hi = bootstrap_median_ci(med) if len(med) >= 6 else (min(med), max(med))
+        spread = "95 % CI" if len(med) >= 6 else "range"
         hmed = f"{statistics.median(host) - 1:+.2%}" if host else "n/a"
-        out.append(f"| {side} | {len(pairs)} | {statistics.median(med) - 1:+.2%} ({lo - 1:+.2%} to {hi - 1:+.2%}) "
+        out.append(f"| {side} | {len(pairs)} | {statistics.median(med) - 1:+.2%} ({spread} {lo - 1:+.2%} to {hi - 1:+.2%}) "
                    f"| {statistics.median(p95) - 1:+.2%} | {hmed} |")
     costs = [c for r in rows if r["workload"] == w and r["side"] == "trainscout" for c in r.get("probe_costs", [])]
     if costs:
@@ -385,6 +387,9 @@ def main() -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if args.report:
         rows = [json.loads(line) for p in args.report for line in Path(p).read_text().splitlines() if line.strip()]
+        for side in dict.fromkeys(r["side"] for r in rows):  # variants of the earlier invocation
+            if side not in SIDES:
+                VARIANTS.setdefault(side, {})
         text = markdown(rows, [f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label}".rstrip()])
         print(text)
         if args.markdown:
