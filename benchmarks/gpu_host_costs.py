@@ -83,15 +83,7 @@ def main() -> int:
 
     def step(checked: bool) -> None:
         data = torch.randint(0, gw.VOCAB, (batch, seq + 1), device=device, generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = ddp(data[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, gw.VOCAB), data[:, 1:].reshape(-1))
-        (autograd.backward if checked else torch.autograd.backward)(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step_no["n"] += 1
-        if checked:
-            nf.check_step()
+        go.checked_step(ddp, opt, data, nf, autograd, step_no, checked)
 
     for _ in range(30):  # warm-up, the kernel compiled
         step(True)
@@ -129,9 +121,7 @@ def main() -> int:
             ptrs.append(g.data_ptr())
 
     data = torch.randint(0, gw.VOCAB, (batch, seq + 1), device=device, generator=gen)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = ddp(data[:, :-1])
-    torch.nn.functional.cross_entropy(logits.float().reshape(-1, gw.VOCAB), data[:, 1:].reshape(-1)).backward()
+    gw.loss_of(ddp, data).backward()
     real_walk = nf._grad_ptrs  # the timed wrapper: unwrap for the bare loop
     assert real_walk(layout) is not None
     lines += ["", "| bare call | us per call |", "| --- | --- |"]

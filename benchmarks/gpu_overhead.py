@@ -231,6 +231,21 @@ def markdown(rows: list[dict], header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def checked_step(ddp, opt, data, nf, autograd, step_no: dict, checked: bool) -> None:
+    """One training step of the in-place measurements, through the non-finite check's backward when `checked`."""
+    import torch
+
+    sys.path.insert(0, str(WORKLOAD.parent))
+    import gpu_workload as gw
+
+    (autograd.backward if checked else torch.autograd.backward)(gw.loss_of(ddp, data))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    step_no["n"] += 1
+    if checked:
+        nf.check_step()
+
+
 def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
     """In one process on one GPU (a 1-rank DDP job), alternate blocks of steps with the probe's two per-step
     CUDA checks off / on, in place: the step-time difference without run-to-run noise, and the host time
@@ -287,18 +302,9 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = ddp(data[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, gw.VOCAB), data[:, 1:].reshape(-1))
         h0 = nf.spent_s
         nf._counts_ok = mode != "nonfinite-norms"
-        checked = mode in ("nonfinite", "nonfinite-norms", "both")
-        (autograd.backward if checked else torch.autograd.backward)(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step_no["n"] += 1
-        if checked:
-            nf.check_step()
+        checked_step(ddp, opt, data, nf, autograd, step_no, mode in ("nonfinite", "nonfinite-norms", "both"))
         h2, c0 = time.perf_counter(), sc.spent_s
         if mode in ("state", "both"):
             sc.after_step(opt, step_no["n"], last_wall[0])

@@ -64,6 +64,13 @@ class CausalLM(nn.Module):
         return self.head(self.norm(x))
 
 
+def loss_of(model, data):
+    """The training loss of one batch of tokens: bf16 autocast forward, float32 cross-entropy."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(data[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), data[:, 1:].reshape(-1))
+
+
 def _memory_kb() -> dict[str, int]:
     out = {}
     with open("/proc/self/status") as fh:
@@ -166,9 +173,7 @@ def main() -> None:
     host_t = [t_start]  # host clock after each step's launches: a host-bound step shows here first
     for step in range(1, total + 1):
         data = torch.randint(0, VOCAB, (args.batch, args.seq + 1), device=device, generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(data[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), data[:, 1:].reshape(-1))
+        loss = loss_of(model, data)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
