@@ -66,7 +66,7 @@ def _launcher_node_rank(command: list[str]) -> int | None:
 
 def _run(args, command: list[str]) -> int:
     from trainscout.faults.spec import parse_faults
-    from trainscout.runner.supervisor import RunOptions, Supervisor, run_dir_of
+    from trainscout.runner.supervisor import RunOptions, Supervisor, live_ranks, run_dir_of
 
     if not command:
         print("trainscout run: give the launch command after --, e.g. "
@@ -113,6 +113,14 @@ def _run(args, command: list[str]) -> int:
                for name in ("events.jsonl", "events.supervisor.jsonl", "findings.jsonl")):
             print(f"trainscout: {run_path} already holds a run (its findings would mix with this one's): "
                   "choose another --run-id, or remove that folder", file=sys.stderr)
+            return 2
+        # run ids name this host's shared-memory channels: a second run with a live run's id would overwrite
+        # its channels, and at its own exit remove them and kill that run's ranks as its leftovers
+        busy = live_ranks(args.run_id)
+        if busy:
+            ranks = ", ".join(f"rank {r} (pid {p})" for r, p in sorted(busy.items()))
+            print(f"trainscout: run id {args.run_id!r} is in use by a job running on this host ({ranks}): "
+                  "choose another --run-id", file=sys.stderr)
             return 2
     return Supervisor(opts).run()
 

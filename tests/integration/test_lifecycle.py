@@ -99,6 +99,31 @@ def test_a_run_id_that_already_has_a_run_is_refused(tmp_path):
     assert sorted(p.name for p in first.iterdir()) == ["findings.jsonl"], "nothing should be started or written"
 
 
+@pytest.mark.slow
+def test_a_run_id_in_use_by_a_running_job_is_refused_and_that_job_is_left_alone(jobs, tmp_path):
+    """Run ids name this host's shared-memory channels. A second run under a live run's id (another run
+    folder, or the folder deleted) would overwrite its channels, and at its own exit remove them and
+    SIGKILL that run's ranks as its leftovers; it must be refused before anything starts."""
+    run_id = unique_run_id("busy")
+    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()),
+                          "-m", "trainscout.demo.train", "--steps", "100000")
+    first = jobs(trainscout_cmd("run", "--run-dir", str(tmp_path / "a"), "--run-id", run_id, "--console", "plain",
+                                "--", *launch), tmp_path / "a", run_id)
+    first.wait_for_launcher_text("step 10")
+    ranks = sorted(processes_of_run(run_id))
+    channels = shm_files_of_run(run_id)
+    assert channels, "the first run's channels should exist while it trains"
+
+    done = _cli("run", "--run-dir", str(tmp_path / "b"), "--run-id", run_id, "--", PY, "-c", "pass")
+    assert done.returncode == 2, done
+    assert f"run id {run_id!r} is in use by a job running on this host" in done.stderr, done.stderr
+    assert "rank 0 (pid " in done.stderr and "rank 1 (pid " in done.stderr, done.stderr
+    assert not (tmp_path / "b" / run_id).exists(), "nothing of the second run should be started or written"
+    assert sorted(processes_of_run(run_id)) == ranks, "the first run's processes must be untouched"
+    assert shm_files_of_run(run_id) == channels, "the first run's channels must be untouched"
+    assert first.proc.poll() is None, first.output()[-4000:]
+
+
 def test_bad_inject_spec_is_a_usage_error_naming_the_token(tmp_path):
     done = _cli("run", "--run-dir", str(tmp_path), "--inject", "bogus", "--", PY, "-c", "pass")
     assert done.returncode == 2, done

@@ -49,6 +49,25 @@ class RunOptions:
     quiet_launcher: bool = False
 
 
+def live_ranks(run_id: str) -> dict[int, int]:
+    """rank -> pid of this host's running training processes of run `run_id`: the writers of its channels
+    that still carry TRAINSCOUT_RUN_ID=run_id (a pid reused by an unrelated process does not)."""
+    found: dict[int, int] = {}
+    for rank, path in list_channels(run_id).items():
+        try:
+            reader = ChannelReader(path)
+            try:
+                pid = int(reader.header()["pid"])
+            finally:
+                reader.close()
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if f"TRAINSCOUT_RUN_ID={run_id}".encode() in fh.read().split(b"\0"):
+                    found[rank] = pid
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def run_dir_of(opts: RunOptions, run_id: str) -> str:
     """This node's folder of a run: the run id on the node that serves the coordinator, else suffixed."""
     suffix = "" if opts.serve_coordinator else f"-{opts.node_id or 'node'}"
@@ -246,15 +265,11 @@ class Supervisor:
 
     def _kill_leftover_ranks(self) -> None:
         """Ranks that outlived their launcher (own session, ignored signals) must not run on unseen."""
-        for rank, path in list_channels(self.run_id).items():
+        for rank, pid in live_ranks(self.run_id).items():
             try:
-                pid = int(ChannelReader(path).header()["pid"])
-                with open(f"/proc/{pid}/environ", "rb") as fh:
-                    if f"TRAINSCOUT_RUN_ID={self.run_id}".encode() not in fh.read().split(b"\0"):
-                        continue  # the pid was reused by an unrelated process
                 os.kill(pid, signal.SIGKILL)
                 self.events.write("killed_leftover_rank", rank=rank, pid=pid)
-            except (OSError, ValueError):
+            except OSError:
                 continue
 
     def _write_summary(self, code: int | None) -> None:
