@@ -148,6 +148,13 @@ def test_framework_topology_and_culprits_without_code_change(jobs, tmp_path, nam
             for rank in range(fw.nproc):
                 report = json.loads(Path(report_path(str(ok.run_path), rank)).read_text())
                 assert report.get("functional_collectives_recorded", 0) >= 6, report
+        if name == "fsdp2":  # the all-gather check's own cost is in each rank's report (and so in summary.md)
+            for rank in range(fw.nproc):
+                report = json.loads(Path(report_path(str(ok.run_path), rank)).read_text())
+                gather = report.get("gather_check", {})
+                assert gather.get("units", 0) >= 1, report
+                assert gather["seconds"] + gather["setup_seconds"] > 0, report
+            assert "gather check" in (ok.run_path / "summary.md").read_text(), ok.describe()
         checked = _state_bytes(ok, fw.nproc)
         if fw.replicas:  # every replica fingerprinted its state and they all agreed (no finding)
             assert all(b > 0 for b in checked), checked

@@ -45,7 +45,8 @@ class GatherCheck:
         self.budget = budget
         self.stride = 1
         self.modules = 0
-        self.spent_s = 0.0
+        self.spent_s = 0.0  # host time of steady checks and publishing (the cost report's per-step figure)
+        self.setup_s = 0.0  # host time of first checks and checks that compiled a kernel
         self.checked_bytes = 0
         self.before_check = None  # fault injection point: (module, step) -> None, between gather and check
         self._results = None  # DeviceResults(int64), made on the first CUDA check
@@ -95,11 +96,13 @@ class GatherCheck:
                 self.error = self.error or f"all-gather check of {unit.label} off: {exc!r}"[:300]
                 return
             cost = time.perf_counter() - t0
-            self.spent_s += cost
             # a unit's first check registers its names, and a check that compiled a kernel variant (~0.5 s,
-            # once per process) is not a steady cost either: neither may set the stride
+            # once per process) is not a steady cost either: neither may set the stride or count as per-step
             if unit.checks > 1 and not self._compiled_now:
+                self.spent_s += cost
                 self._step_cost += cost + device_bytes / DEVICE_BYTES_PER_S
+            else:
+                self.setup_s += cost
             self._compiled_now = False
 
         mod.register_forward_pre_hook(pre_forward)

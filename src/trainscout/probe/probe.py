@@ -187,6 +187,10 @@ class Probe:
                              "interval": self.replay.interval}
         if self.link_probe is not None and self.link_probe.count:
             out["link_probe"] = {"seconds": self.link_probe.spent_s, "count": self.link_probe.count}
+        gc = self.gather_check
+        if gc is not None and gc.modules:
+            out["gather_check"] = {"seconds": gc.spent_s, "setup_seconds": gc.setup_s, "stride": gc.stride,
+                                   "units": gc.modules}
         if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
             out["nonfinite"] = {"seconds": self.nonfinite.spent_s, "setup_seconds": self.nonfinite.setup_s}
         if self.publisher is not None and self.publisher.dumps:  # on the probe's thread, not the training thread

@@ -11,7 +11,8 @@ import json
 import os
 import statistics
 
-CHECKS = ("state_check", "nonfinite", "replay", "link_probe", "flight_recorder")  # the last: the probe thread's dumps
+CHECKS = ("state_check", "gather_check", "nonfinite", "replay", "link_probe",
+          "flight_recorder")  # the last: the probe thread's dumps
 _NAME = "probe-cost.rank{}.json"
 
 
