@@ -231,14 +231,12 @@ def markdown(rows: list[dict], header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def checked_step(ddp, opt, data, nf, autograd, step_no: dict, checked: bool) -> None:
-    """One training step of the in-place measurements, through the non-finite check's backward when `checked`."""
+def checked_step(loss, opt, nf, autograd, step_no: dict, checked: bool) -> None:
+    """The rest of one training step of the in-place measurements after its forward (`loss`), through the
+    non-finite check's backward when `checked`."""
     import torch
 
-    sys.path.insert(0, str(WORKLOAD.parent))
-    import gpu_workload as gw
-
-    (autograd.backward if checked else torch.autograd.backward)(gw.loss_of(ddp, data))
+    (autograd.backward if checked else torch.autograd.backward)(loss)
     opt.step()
     opt.zero_grad(set_to_none=True)
     step_no["n"] += 1
@@ -304,7 +302,7 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
         t0 = time.perf_counter()
         h0 = nf.spent_s
         nf._counts_ok = mode != "nonfinite-norms"
-        checked_step(ddp, opt, data, nf, autograd, step_no, mode in ("nonfinite", "nonfinite-norms", "both"))
+        checked_step(gw.loss_of(ddp, data), opt, nf, autograd, step_no, mode in ("nonfinite", "nonfinite-norms", "both"))
         h2, c0 = time.perf_counter(), sc.spent_s
         if mode in ("state", "both"):
             sc.after_step(opt, step_no["n"], last_wall[0])
