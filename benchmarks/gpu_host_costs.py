@@ -57,6 +57,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from _common import free_port
     import gpu_overhead as go
     import gpu_workload as gw
     from trainscout.probe import device_results, nonfinite_cuda
@@ -64,7 +65,7 @@ def main() -> int:
 
     wargs = dict(zip(go.WORKLOADS[args.workload]["args"][::2], go.WORKLOADS[args.workload]["args"][1::2]))
     hidden, layers, seq, batch = (int(wargs[k]) for k in ("--hidden", "--layers", "--seq", "--batch"))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(go._port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     device = torch.device("cuda", 0)

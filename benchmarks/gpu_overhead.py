@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _common import bootstrap_median_ci  # noqa: E402
+from _common import bootstrap_median_ci, free_port, percentile  # noqa: E402
 
 WORKLOAD = REPO / "benchmarks" / "gpu_workload.py"
 SIDES = ("baseline", "trainscout", "peer")
@@ -56,19 +55,13 @@ WORKLOADS = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launcher() -> list[str]:
     exe = shutil.which("torchrun")
     return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def command(side: str, workload: str, timing: str, run_dir: str, run_id: str) -> list[str]:
-    job = [*_launcher(), "--nproc-per-node", str(NPROC), "--master-port", str(_port()), str(WORKLOAD),
+    job = [*_launcher(), "--nproc-per-node", str(NPROC), "--master-port", str(free_port()), str(WORKLOAD),
            *WORKLOADS[workload]["args"], *STEPS, *PIN, "--timing-file", timing]
     if side == "peer":
         return job + ["--scout"]
@@ -104,15 +97,6 @@ def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extr
     return row
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def summarise(rows: list[dict]) -> dict:
     """(workload, side) -> statistics over the successful runs."""
     out: dict = {}
@@ -133,8 +117,8 @@ def summarise(rows: list[dict]) -> dict:
                 "median_ms": statistics.median(statistics.median(s) for s in steps0),
                 "run_medians": [statistics.median(s) for s in steps0],
                 "mean_ms": statistics.mean(pooled),
-                "p95_ms": _pct(pooled, 0.95),
-                "run_p95": [_pct(s, 0.95) for s in steps0],
+                "p95_ms": percentile(pooled, 95),
+                "run_p95": [percentile(s, 95) for s in steps0],
                 "gpu_peak": [max(r["ranks"][k]["max_memory_allocated"] for k in ranks) for r in runs],
                 "rss_kb": {k: statistics.median(r["ranks"][k]["VmRSS"] for r in runs) for k in ranks},
                 "hwm_kb": {k: statistics.median(r["ranks"][k]["VmHWM"] for r in runs) for k in ranks},
@@ -165,7 +149,7 @@ def paired(rows: list[dict], w: str) -> list[str]:
         if not pairs:
             continue
         med = [statistics.median(t["step_ms"]) / statistics.median(b["step_ms"]) for b, t in pairs]
-        p95 = [_pct(t["step_ms"], 0.95) / _pct(b["step_ms"], 0.95) for b, t in pairs]
+        p95 = [percentile(t["step_ms"], 95) / percentile(b["step_ms"], 95) for b, t in pairs]
         host = [statistics.median(t["host_step_ms"]) / statistics.median(b["host_step_ms"]) for b, t in pairs
                 if t.get("host_step_ms") and b.get("host_step_ms")]
         # a bootstrap of fewer than 6 rounds only restates them: give their range instead
@@ -268,7 +252,7 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
         ap.add_argument(flag, type=int)
     ap.add_argument("--fsdp", action="store_true")
     wargs = ap.parse_args(WORKLOADS[workload]["args"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     device = torch.device("cuda", 0)
@@ -333,7 +317,7 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
              "| of which the state check's budgeted part |", "| --- | --- | --- | --- | --- | --- |"]
     for m in modes:
         med = statistics.median(times[m])
-        lines.append(f"| {m} | {med:.3f} | {med / base - 1:+.2%} | {_pct(times[m], 0.95):.3f} "
+        lines.append(f"| {m} | {med:.3f} | {med / base - 1:+.2%} | {percentile(times[m], 95):.3f} "
                      f"| {statistics.mean(host[m]):.1f} | {statistics.mean(charged[m]):.1f} |")
     dist.destroy_process_group()
     return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_overhead as go  # noqa: E402
+from _common import free_port  # noqa: E402
 import gpu_workload as gw  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from trainscout.probe import nonfinite_cuda as nc  # noqa: E402
 from trainscout.probe.device_results import DeviceResults  # noqa: E402
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(go._port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 torch.cuda.set_device(0)
 dist.init_process_group("nccl")
 dev = torch.device("cuda", 0)
