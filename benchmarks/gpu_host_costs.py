@@ -13,7 +13,6 @@ copy, `current_stream`), and the same step with the check off and on (interleave
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -57,23 +56,14 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from _common import free_port
     import gpu_overhead as go
     import gpu_workload as gw
     from trainscout.probe import device_results, nonfinite_cuda
     from trainscout.probe.nonfinite import NonFiniteCheck
 
-    wargs = dict(zip(go.WORKLOADS[args.workload]["args"][::2], go.WORKLOADS[args.workload]["args"][1::2]))
-    hidden, layers, seq, batch = (int(wargs[k]) for k in ("--hidden", "--layers", "--seq", "--batch"))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
+    model, ddp, opt, wargs = go.one_rank_ddp(args.workload)
+    seq, batch = wargs.seq, wargs.batch
     device = torch.device("cuda", 0)
-    torch.manual_seed(0)
-    with device:
-        model = gw.CausalLM(hidden, layers, max(1, hidden // 64), seq)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
-    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
     step_no = {"n": 0}
     nf = NonFiniteCheck(lambda *r: None, lambda: step_no["n"])
     autograd = types.SimpleNamespace(backward=torch.autograd.backward)

@@ -228,6 +228,30 @@ def checked_step(loss, opt, nf, autograd, step_no: dict, checked: bool) -> None:
         nf.check_step()
 
 
+def one_rank_ddp(workload: str):
+    """`workload`'s model as a 1-rank NCCL DDP job on GPU 0, for the in-place measurements:
+    (model, DDP wrapper, AdamW, the workload's sizes: hidden, layers, seq, batch)."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(WORKLOAD.parent))
+    import gpu_workload as gw
+
+    ap = argparse.ArgumentParser()
+    for flag in ("--hidden", "--layers", "--seq", "--batch"):
+        ap.add_argument(flag, type=int)
+    ap.add_argument("--fsdp", action="store_true")
+    wargs = ap.parse_args(WORKLOADS[workload]["args"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    with torch.device("cuda", 0):
+        model = gw.CausalLM(wargs.hidden, wargs.layers, max(1, wargs.hidden // 64), wargs.seq)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    return model, ddp, torch.optim.AdamW(ddp.parameters(), lr=3e-4), wargs
+
+
 def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
     """In one process on one GPU (a 1-rank DDP job), alternate blocks of steps with the probe's two per-step
     CUDA checks off / on, in place: the step-time difference without run-to-run noise, and the host time
@@ -247,20 +271,8 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
     from trainscout.probe.nonfinite import NonFiniteCheck
     from trainscout.probe.state_check import StateCheck
 
-    ap = argparse.ArgumentParser()
-    for flag in ("--hidden", "--layers", "--seq", "--batch"):
-        ap.add_argument(flag, type=int)
-    ap.add_argument("--fsdp", action="store_true")
-    wargs = ap.parse_args(WORKLOADS[workload]["args"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
+    model, ddp, opt, wargs = one_rank_ddp(workload)
     device = torch.device("cuda", 0)
-    torch.manual_seed(0)
-    with device:
-        model = gw.CausalLM(wargs.hidden, wargs.layers, max(1, wargs.hidden // 64), wargs.seq)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
-    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
     step_no = {"n": 0}
     records: list = []
     nf = NonFiniteCheck(lambda *r: records.append(r), lambda: step_no["n"])
