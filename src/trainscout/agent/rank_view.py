@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import deque
+from collections import deque, namedtuple
+from itertools import islice
 
 import psutil
 
-from trainscout.channel.layout import pg_table_path, tensor_table_path
+from trainscout.channel.layout import RECORD_DTYPE, pg_table_path, tensor_table_path
 from trainscout.channel.reader import ChannelReader
 from trainscout.probe import protocol
 from trainscout.probe.nonfinite import NONFINITE_PG_INDEX
@@ -30,6 +31,7 @@ from trainscout.wire.messages import (
     StepRecord,
 )
 
+Record = namedtuple("Record", RECORD_DTYPE.names)  # one ring record, fields as Python values
 RECENT_IN_DIGEST = 4
 KEEP_RECORDS = 4096
 
@@ -89,9 +91,12 @@ class PgTrack:
             self._chain()
 
     def recent(self, n: int) -> list[CollectiveRecord]:
-        chained = list(self.records)[-n:] if n else []
-        # the newest records matter most (a hang or abort happens at the latest collective)
-        return chained + [self.pending[s] for s in sorted(self.pending)[-n:]] if n else []
+        if not n:
+            return []
+        # the newest records matter most (a hang or abort happens at the latest collective); read them from
+        # the right end: copying the whole deque (up to KEEP_RECORDS) per group per digest was the cost
+        chained = list(islice(reversed(self.records), n))[::-1]
+        return chained + [self.pending[s] for s in sorted(self.pending)[-n:]]
 
 
 class RankView:
@@ -134,8 +139,10 @@ class RankView:
                 self._process = None
         if int(h["pg_table_version"]) != self._pg_table_version:
             self._load_pg_table(int(h["pg_table_version"]))
-        for rec in self.reader.new_records():
-            self._ingest(rec)
+        # one C-level conversion of the whole batch: indexing numpy records field by field cost the
+        # agent more than everything else it does per record
+        for rec in self.reader.new_records().tolist():
+            self._ingest(Record._make(rec))
         now = time.monotonic_ns()
         for track in self.pgs.values():
             track.check_gap(now)
@@ -158,7 +165,7 @@ class RankView:
             track.role, track.framework = role.get("role", ""), role.get("framework", "")
 
     def _ingest(self, rec) -> None:
-        idx = int(rec["pg_index"])
+        idx = rec.pg_index
         if idx == STATE_PG_INDEX:
             self._ingest_state(rec)
             return
@@ -166,32 +173,34 @@ class RankView:
             self._ingest_step(rec)
             return
         if idx == REPLAY_PG_INDEX:
-            layer, _, params = rec["desc"].decode(errors="replace").partition("|")
-            self._replays_out.append(ReplayRecord(step=int(rec["step"]), layer=layer, output=int(rec["entry_hash"]),
-                                                  grads=int(rec["rolling_hash"]), params=int(params or "0", 16)))
+            layer, _, params = rec.desc.decode(errors="replace").partition("|")
+            self._replays_out.append(ReplayRecord(step=rec.step, layer=layer, output=rec.entry_hash,
+                                                  grads=rec.rolling_hash, params=int(params or "0", 16)))
             return
         if idx == NONFINITE_PG_INDEX:
-            self.nonfinite.append(NonFiniteEvent(step=int(rec["step"]), what=rec["desc"].decode(errors="replace")))
+            self.nonfinite.append(NonFiniteEvent(step=rec.step, what=rec.desc.decode(errors="replace")))
             return
         name = self._index_to_name.get(idx)
         if name is None:
             self._load_pg_table(self._pg_table_version)
             name = self._index_to_name.get(idx, f"#{idx}")
-        track = self.pgs.setdefault(name, PgTrack(name))
+        track = self.pgs.get(name)
+        if track is None:
+            track = self.pgs[name] = PgTrack(name)
         track.add(CollectiveRecord(
-            seq=int(rec["seq"]),
-            op=rec["op"].decode(errors="replace"),
-            desc=rec["desc"].decode(errors="replace"),
-            entry_hash=int(rec["entry_hash"]),
-            rolling_hash=int(rec["rolling_hash"]),
-            wall_ns=int(rec["wall_ns"]),
-            step=int(rec["step"]),
+            seq=rec.seq,
+            op=rec.op.decode(errors="replace"),
+            desc=rec.desc.decode(errors="replace"),
+            entry_hash=rec.entry_hash,
+            rolling_hash=rec.rolling_hash,
+            wall_ns=rec.wall_ns,
+            step=rec.step,
         ))
 
     def _ingest_step(self, rec) -> None:
         """Step timings ("step"), call sites of slow loads/saves ("site") and link-probe results ("link")."""
-        op = rec["op"].decode(errors="replace")
-        desc = rec["desc"].decode(errors="replace")
+        op = rec.op.decode(errors="replace")
+        desc = rec.desc.decode(errors="replace")
         if op == "site":
             kind, _, site = desc.partition("|")
             self.io_sites[kind] = site
@@ -201,7 +210,7 @@ class RankView:
             for part in filter(None, desc.split(",")):
                 peer, _, us = part.partition("=")
                 seconds[int(peer)] = int(us) / 1e6
-            self._links_out.append(LinkRecord(request_id=int(rec["seq"]), step=int(rec["step"]), seconds=seconds))
+            self._links_out.append(LinkRecord(request_id=rec.seq, step=rec.step, seconds=seconds))
             return
         times, _, groups = desc.partition("|")
         us = [int(x) for x in times.split(":")] + [0, 0, 0, -1, -1]  # older probes send fewer fields
@@ -210,21 +219,21 @@ class RankView:
             name, _, t = part.rpartition("=")
             pg_wait[name] = int(t) / 1e6
         self._steps_out.append(StepRecord(
-            step=int(rec["step"]), wall_s=int(rec["rolling_hash"]) / 1e9, cpu_s=int(rec["entry_hash"]) / 1e9,
+            step=rec.step, wall_s=rec.rolling_hash / 1e9, cpu_s=rec.entry_hash / 1e9,
             data_s=us[0] / 1e6, ckpt_s=us[1] / 1e6, wait_s=us[2] / 1e6,
             gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], GPU_UNMEASURED)),
             gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], GPU_UNMEASURED)),
             pg_wait=pg_wait))
 
     def _ingest_state(self, rec) -> None:
-        tid = int(rec["seq"])
+        tid = rec.seq
         if tid >= len(self._tensor_names) or self._tensor_table_changed():
             self._load_tensor_table()
         name = self._tensor_names[tid] if tid < len(self._tensor_names) else f"tensor#{tid}"
         group = self._tensor_groups[tid] if tid < len(self._tensor_groups) else None
-        start, _, end = rec["desc"].decode().partition(":")
-        self._state_out.append(StateRecord(step=int(rec["step"]), tensor=name, start=int(start), end=int(end),
-                                           digest=int(rec["entry_hash"]), group=group or ""))
+        start, _, end = rec.desc.decode().partition(":")
+        self._state_out.append(StateRecord(step=rec.step, tensor=name, start=int(start), end=int(end),
+                                           digest=rec.entry_hash, group=group or ""))
 
     def _tensor_table_changed(self) -> bool:
         """The probe rewrites the table when its schedule changes (stride, slots): look once a second."""
