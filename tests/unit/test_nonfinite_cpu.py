@@ -1,0 +1,94 @@
+"""The end-of-backward check of CPU gradients: the flat-buffer sum, its per-gradient fallback, and naming."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainscout.probe import nonfinite
+from trainscout.probe.nonfinite import NonFiniteCheck
+
+
+def _check_with(params: dict[str, torch.Tensor]):
+    records = []
+    check = NonFiniteCheck(lambda *rec: records.append(rec), lambda: 6)
+    for name, p in params.items():
+        check._cpu_params.append(p)
+        check._cpu_names.append(name)
+
+    def run_check():
+        check._cpu_armed = True
+        check._cpu_backward_done()
+        return [rec[-1] for rec in records]  # the record's text: "grad <name>"
+
+    return check, run_check
+
+
+def _params(dtype=torch.float32, shapes=((4, 3), (3,), (2, 2, 2))):
+    out = {}
+    for i, shape in enumerate(shapes):
+        p = torch.zeros(shape, dtype=dtype, requires_grad=True)
+        p.grad = torch.full(shape, 0.5, dtype=dtype)
+        out[f"layer{i}.weight"] = p
+    return out
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_flat_path_names_the_gradient_that_turned_nonfinite(bad):
+    params = _params()
+    check, run_check = _check_with(params)
+    assert run_check() == []
+    assert check._flat is not None  # the flat buffer served this model
+    params["layer1.weight"].grad[2] = bad
+    assert run_check() == ["grad layer1.weight"]
+
+
+def test_flat_path_copies_fresh_gradients_every_pass():
+    params = _params()
+    check, run_check = _check_with(params)
+    assert run_check() == []
+    # set_to_none between steps: new gradient tensors, same shapes
+    for p in params.values():
+        p.grad = torch.full_like(p, 0.25)
+    params["layer2.weight"].grad[1, 0, 1] = math.nan
+    assert run_check() == ["grad layer2.weight"]
+
+
+def test_mixed_dtypes_and_missing_gradients_use_per_gradient_sums():
+    params = _params()
+    params["half"] = torch.zeros(5, dtype=torch.bfloat16, requires_grad=True)
+    params["half"].grad = torch.ones(5, dtype=torch.bfloat16)
+    check, run_check = _check_with(params)
+    assert run_check() == []
+    assert check._flat is None
+    params["layer0.weight"].grad = None  # a parameter unused this step
+    params["half"].grad[3] = math.inf
+    assert run_check() == ["grad half"]
+
+
+def test_missing_gradient_falls_back_even_when_a_flat_buffer_exists():
+    params = _params()
+    check, run_check = _check_with(params)
+    assert run_check() == [] and check._flat is not None
+    params["layer0.weight"].grad = None
+    params["layer2.weight"].grad[0, 0, 0] = math.nan
+    assert run_check() == ["grad layer2.weight"]
+
+
+def test_a_finite_sum_that_overflows_names_nothing():
+    params = _params()
+    for p in params.values():
+        p.grad.fill_(3e38)  # finite, but their float32 sum is inf
+    _, run_check = _check_with(params)
+    assert run_check() == []
+
+
+def test_large_models_skip_the_second_copy(monkeypatch):
+    monkeypatch.setattr(nonfinite, "FLAT_MAX_BYTES", 16)
+    params = _params()
+    check, run_check = _check_with(params)
+    params["layer0.weight"].grad[0, 0] = math.nan
+    assert run_check() == ["grad layer0.weight"]
+    assert check._flat is None
