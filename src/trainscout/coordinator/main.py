@@ -18,7 +18,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import msgspec
 
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.exits import ExitDetector
@@ -87,6 +86,7 @@ class Coordinator:
         # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
         self.straggler = StragglerDetector(gpu_compute=os.environ.get("TRAINSCOUT_GPU_STRAGGLERS", "1") != "0")
         self.topology = TopologyTracker()
+        self._topology_key = ""  # the groups last judged, once their line is shown (see _track_topology)
         self.topology_file = os.path.join(run_dir, "topology.json")
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
@@ -193,8 +193,17 @@ class Coordinator:
 
     def _track_topology(self) -> None:
         """Which groups exist and which ranks are replicas: topology.json, an event, a console line."""
-        groups = {r: [msgspec.structs.asdict(pg) for pg in o.state.pgs] for r, o in self.ranks.items()}
-        changed, line = self.topology.update(groups, {r: o.state.step for r, o in self.ranks.items()})
+        # Only what the topology reads (not the records each digest carries), and nothing to redo while it
+        # stands and its line is shown: groups and roles change at start-up, rarely later.
+        groups = {r: [{"name": pg.name, "desc": pg.desc, "members": pg.members, "role": pg.role,
+                       "framework": pg.framework} for pg in o.state.pgs] for r, o in self.ranks.items()}
+        key = repr(sorted(groups.items()))
+        if key == self._topology_key:
+            return
+        steps = {r: o.state.step for r, o in self.ranks.items()}
+        changed, line = self.topology.update(groups, steps)
+        if self.topology.shown:
+            self._topology_key = key
         if changed is not None:
             with open(self.topology_file + ".tmp", "w") as fh:
                 json.dump(changed, fh)

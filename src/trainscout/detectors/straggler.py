@@ -176,7 +176,8 @@ class StragglerDetector:
                 self._flag_steps.setdefault((r, metric.label), deque(maxlen=LOOKBACK)).append(step)
             if r in windowed and step > WARMUP_STEPS:
                 hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
-                hist.append((step, r in outliers, _ratio_to_peers(r, windowed)))
+                hit = r in outliers  # the ratio is read only for flagged steps (_persistent)
+                hist.append((step, hit, _ratio_to_peers(r, windowed) if hit else 1.0))
                 f = self._persistent(r, metric, hist, self.k, "")
                 if f is not None:
                     out.append(f)
@@ -219,7 +220,8 @@ class StragglerDetector:
         out = []
         for r in norm:
             hist = self._fine_flags.setdefault(r, deque(maxlen=FINE_M))
-            hist.append((step, r in outliers, _ratio_to_peers(r, norm)))
+            hit = r in outliers
+            hist.append((step, hit, _ratio_to_peers(r, norm) if hit else 1.0))
             f = self._persistent(r, metric, hist, FINE_K, f"fine: {FINE_WINDOW}-step medians, step-normalised")
             if f is not None:
                 out.append(f)
