@@ -92,3 +92,12 @@ def test_large_models_skip_the_second_copy(monkeypatch):
     params["layer0.weight"].grad[0, 0] = math.nan
     assert run_check() == ["grad layer0.weight"]
     assert check._flat is None
+
+
+def test_a_sparse_gradient_falls_back_to_per_gradient_sums():
+    params = _params()
+    check, run_check = _check_with(params)
+    emb = params["layer0.weight"]
+    emb.grad = torch.sparse_coo_tensor([[1], [2]], [math.nan], emb.shape, check_invariants=True)  # as nn.Embedding(sparse=True) gives
+    assert run_check() == ["grad layer0.weight"]
+    assert check._flat is None

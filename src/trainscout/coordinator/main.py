@@ -18,7 +18,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record

@@ -220,7 +220,7 @@ class NonFiniteCheck:
             # so a finite sum that overflowed names nothing.
             if not math.isfinite(self._cpu_total(torch, grads)):
                 bad = next((n for n, g in zip(self._cpu_names, grads)
-                            if g is not None and not bool(torch.isfinite(g).all())), None)
+                            if g is not None and _holds_nonfinite(torch, g)), None)
                 if bad is not None:
                     self._report("grad", bad)
         except Exception:
@@ -237,8 +237,11 @@ class NonFiniteCheck:
         if len(self._flat_views) != len(grads):
             self._flat, self._flat_views = _flat_buffer(torch, self._cpu_params)
         if self._flat is not None and not any(g is None for g in grads):
-            torch._foreach_copy_(self._flat_views, grads)
-            return self._flat.sum().item()
+            try:
+                torch._foreach_copy_(self._flat_views, grads)
+                return self._flat.sum().item()
+            except RuntimeError:  # e.g. a sparse gradient (Embedding(sparse=True)): per-gradient sums from now on
+                self._flat = None
         return sum(g.sum().item() for g in grads if g is not None)
 
     def _backward_started(self, grad_outputs):
@@ -434,3 +437,8 @@ def _flat_buffer(torch, params: list):
         views.append(flat[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
     return flat, views
+
+
+def _holds_nonfinite(torch, grad) -> bool:
+    values = grad.coalesce().values() if grad.is_sparse else grad  # isfinite has no sparse kernel
+    return not bool(torch.isfinite(values).all())
