@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 STEPS = 110
 
 SCRIPT = textwrap.dedent('''
-    import json, sys
+    import json, os, sys
     import torch
     import torch.distributed as dist
     from trainscout.probe.replay import Replay
@@ -49,6 +49,9 @@ SCRIPT = textwrap.dedent('''
         json.dump({"steps": done, "layers": [r[7].split("|")[0] for r in records],
                    "interval": replay.interval}, fh)
     dist.destroy_process_group()
+    # torch's own interpreter teardown after a gloo job sometimes aborts (SIGABRT, ~1 run in 10, with or
+    # without trainscout): every collective is done and the results are written, so skip it
+    os._exit(0)
 ''')
 
 
