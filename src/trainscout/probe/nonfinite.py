@@ -60,7 +60,8 @@ class NonFiniteCheck:
         self._cpu_params: list = []
         self._cpu_names: list[str] = []
         self._cpu_armed = False
-        self._flat, self._flat_views = None, ()  # see _cpu_total
+        self._flat, self._flat_views = None, []  # see _cpu_total
+        self._flat_params = -1  # how many CPU parameters the flat buffer was laid out for
         # CUDA path
         self._device_params: list = []
         self._device_names: list[str] = []
@@ -234,8 +235,9 @@ class NonFiniteCheck:
         when every gradient is present and they are few bytes in all, one C++ call copies them into a flat
         buffer made once and one sum reads it (a third cheaper than a sum per gradient on the demo's 29
         gradients); otherwise one sum per gradient, added up as Python floats."""
-        if len(self._flat_views) != len(grads):
+        if self._flat_params != len(grads):  # the list grows only when hook_params adds parameters
             self._flat, self._flat_views = _flat_buffer(torch, self._cpu_params)
+            self._flat_params = len(grads)
         if self._flat is not None and not any(g is None for g in grads):
             try:
                 torch._foreach_copy_(self._flat_views, grads)
@@ -424,13 +426,12 @@ FLAT_MAX_BYTES = 64 << 20  # above this the sums are memory-bound, dispatch is n
 
 
 def _flat_buffer(torch, params: list):
-    """(flat, views): one buffer and a view shaped like each parameter, or (None, views-length marker) when the
-    parameters mix dtypes or are too large together."""
+    """(flat, views): one buffer and a view shaped like each parameter, or (None, []) when the parameters mix
+    dtypes or are too large together."""
     dtypes = {p.dtype for p in params}
     total = sum(p.numel() for p in params)
-    marker = (None,) * len(params)
-    if len(dtypes) != 1 or not params or total * params[0].element_size() > FLAT_MAX_BYTES:
-        return None, marker
+    if len(dtypes) != 1 or total * params[0].element_size() > FLAT_MAX_BYTES:
+        return None, []
     flat = torch.empty(total, dtype=params[0].dtype)
     views, offset = [], 0
     for p in params:
