@@ -1,12 +1,12 @@
 """Replay recorded straggler traces through the current straggler detector, offline.
 
 The coordinator writes the last 400 compute steps it judged into `events.jsonl` (`straggler_trace`: each
-rank's compute per step and the 8-step median waits arrival order read). Feeding them to today's detector
-shows what it would have said on those runs, next to what was said live: a cheap check of a rule change
-against the false findings and the detections already recorded. Approximation: arrival order is read from
-the traced 8-step medians in both tiers (the fine tier uses its full window live), so the fine tier can name
-a rank earlier than it did live. Runs whose trace does not start at step 2 (older code kept fewer steps) are
-skipped.
+rank's compute and collective wait per step). Feeding them to today's detector shows what it would have said
+on those runs, next to what was said live: a cheap check of a rule change against the false findings and the
+detections already recorded. Traces of older code (`waits` not "per-step") kept the 8-step median waits
+arrival order read instead; for them arrival order is read from those medians in both tiers (the fine tier
+uses its full window live), so the fine tier can name a rank earlier than it did live. Runs whose trace does
+not start at step 2 (older code kept fewer steps) are skipped.
 
     .venv/bin/python benchmarks/straggler_replay.py RUN_DIR_PARENT [RUN_DIR_PARENT ...]
 """
@@ -46,13 +46,16 @@ def replay(events_path: str) -> list[tuple[list[int], int, str]] | None:
     rows = [t for t in traces[-1]["steps"] if t[1] == "compute" and len(t) > 6]
     if not rows or rows[0][0] > 3:
         return None
-    det = ReplayedDetector({t[0]: t[6] for t in rows})
+    per_step = traces[-1].get("waits") == "per-step"
+    det = StragglerDetector() if per_step else ReplayedDetector({t[0]: t[6] for t in rows})
     found = []
-    for step, _label, samples, *_ in rows:
+    for step, _label, samples, *rest in rows:
         det.current_step = step
+        waits = rest[3] if per_step else {}
         for r, x in samples.items():
-            det.add(int(r), [StepRecord(step=step, wall_s=0.0, cpu_s=x, data_s=0.0, ckpt_s=0.0, wait_s=0.0,
-                                        gpu_s=-1.0, gpu_wait_s=-1.0, pg_wait={})], 0.0)
+            det.add(int(r), [StepRecord(step=step, wall_s=0.0, cpu_s=x, data_s=0.0, ckpt_s=0.0,
+                                        wait_s=float(waits.get(r, 0.0)), gpu_s=-1.0, gpu_wait_s=-1.0,
+                                        pg_wait={})], 0.0)
         for f in det.update(0.0, {int(r) for r in samples}):
             found.append((f.culprit_ranks, f.step, f.evidence.get("basis") or "fast"))
     return found

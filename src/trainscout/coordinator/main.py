@@ -453,7 +453,7 @@ class Coordinator:
         for p in self.pending_fetch.values():
             p.deadline = now
         self._flush_due(now)
-        self.events.write("straggler_trace", steps=[list(t) for t in self.straggler.trace])
+        self.events.write("straggler_trace", steps=self.straggler.trace_rows(), waits="per-step")
         self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected),
                           state_ranges_compared=self.state.compared, replays_compared=self.replay.replays_compared)
         self.endpoint.close()

@@ -148,18 +148,22 @@ class StragglerDetector:
             self._recent_compute.append(samples)
         out = []
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.
-        spike = vote_statistical(samples, rel_threshold=max(metric.rel, self.spike_ratio - 1), abs_threshold=metric.abs_s)
-        spikes = set(spike.outliers) if spike.status == "attributed" else set()
+        spike_rel = max(metric.rel, self.spike_ratio - 1)
+        spikes: set[int] = set()
+        if _may_stand_out(samples, spike_rel):
+            spike = vote_statistical(samples, rel_threshold=spike_rel, abs_threshold=metric.abs_s)
+            spikes = set(spike.outliers) if spike.status == "attributed" else set()
         # Compute: each step's value over that step's median, so what the whole machine does at that
         # moment (a noisy neighbour, a hog) cancels; the absolute margin is scaled the same way.
-        level = statistics.median(samples.values()) if metric.label == "compute" else 0.0
+        level = _median(samples.values()) if metric.label == "compute" else 0.0
         if level > 0:
             windowed = self._windowed({r: x / level for r, x in samples.items()}, metric)
             abs_margin = metric.abs_s / level
         else:
             windowed, abs_margin = self._windowed(samples, metric), metric.abs_s
         outliers: set[int] = set()
-        if len(windowed) >= 3:
+        voted: list[int] = []
+        if len(windowed) >= 3 and _may_stand_out(windowed, metric.rel):
             verdict = vote_against_peers(windowed, rel_threshold=metric.rel, abs_threshold=abs_margin,
                                          z_threshold=PEER_Z)
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
@@ -167,20 +171,20 @@ class StragglerDetector:
             if metric.label == "compute":
                 outliers = self._arrive_last(_clear_of_the_rest(windowed, outliers, metric.rel / 2), self.window)
                 outliers = self._slowest_in_most_steps(self._still_slow(outliers, metric), metric)
-        if metric.label == "compute":  # what the vote said, what arrival order kept, and the waits it read
-            waits = {r: round(x, 5) for r, x in self._recent_waits(self.window).items()}
-            self.trace.append((step, metric.label, {r: round(x, 5) for r, x in samples.items()}, sorted(outliers),
-                               sorted(spikes), voted if len(windowed) >= 3 else [], waits))
+        if metric.label == "compute":  # what the vote said, what arrival order kept, and this step's waits
+            # (rounded when written: most steps are never read)
+            self.trace.append((step, metric.label, samples, sorted(outliers), sorted(spikes), voted,
+                               _waits_of(recs, self.compute_measure == "gpu")))
         for r in samples:
             if r in spikes:
                 self._flag_steps.setdefault((r, metric.label), deque(maxlen=LOOKBACK)).append(step)
             if r in windowed and step > WARMUP_STEPS:
                 hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
                 hit = r in outliers  # the ratio is read only for flagged steps (_persistent)
-                hist.append((step, hit, _ratio_to_peers(r, windowed) if hit else 1.0))
-                f = self._persistent(r, metric, hist, self.k, "")
-                if f is not None:
-                    out.append(f)
+                if _record(hist, (step, hit, _ratio_to_peers(r, windowed) if hit else 1.0)):
+                    f = self._persistent(r, metric, hist, self.k, "")
+                    if f is not None:
+                        out.append(f)
             f = self._intermittent(r, metric) if r in spikes else None
             if f is not None:
                 out.append(f)
@@ -197,12 +201,12 @@ class StragglerDetector:
             w = self._windows.setdefault((r, metric.label), deque(maxlen=self.window))
             w.append(x)
             if len(w) == self.window:
-                windowed[r] = statistics.median(w)
+                windowed[r] = _median(w)
         return windowed
 
     def _judge_fine(self, step: int, samples: dict[int, float], metric: Metric) -> tuple[list[Finding], bool]:
         """Small, steady slowdowns: time relative to the same step's peers, over FINE_WINDOW steps."""
-        median_now = statistics.median(samples.values())
+        median_now = _median(samples.values())
         if median_now <= 0:
             return [], False
         norm = {}
@@ -210,18 +214,21 @@ class StragglerDetector:
             w = self._fine.setdefault(r, deque(maxlen=FINE_WINDOW))
             w.append(x / median_now)
             if len(w) == FINE_WINDOW:
-                norm[r] = statistics.median(w)
+                norm[r] = _median(w)
         if len(norm) < 3 or step <= WARMUP_STEPS:
             return [], False
-        verdict = vote_against_peers(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now,
-                                     z_threshold=PEER_Z)
-        voted = set(verdict.outliers) if verdict.status == "attributed" else set()
+        voted: set[int] = set()
+        if _may_stand_out(norm, FINE_REL):
+            verdict = vote_against_peers(norm, rel_threshold=FINE_REL, abs_threshold=FINE_ABS_S / median_now,
+                                         z_threshold=PEER_Z)
+            voted = set(verdict.outliers) if verdict.status == "attributed" else set()
         outliers = self._arrive_last(_clear_of_the_rest(norm, voted, FINE_REL / 2), FINE_WINDOW)
         out = []
         for r in norm:
             hist = self._fine_flags.setdefault(r, deque(maxlen=FINE_M))
             hit = r in outliers
-            hist.append((step, hit, _ratio_to_peers(r, norm) if hit else 1.0))
+            if not _record(hist, (step, hit, _ratio_to_peers(r, norm) if hit else 1.0)):
+                continue
             f = self._persistent(r, metric, hist, FINE_K, f"fine: {FINE_WINDOW}-step medians, step-normalised")
             if f is not None:
                 out.append(f)
@@ -301,12 +308,12 @@ class StragglerDetector:
             x if slow == hi else 1 / x for x in self._two_ratio) > 1 + metric.rel
         flagged = (c_slow - c_fast > metric.rel * c_fast and c_slow - c_fast > metric.abs_s
                    and waits[slow] < waits[fast] and sustained)
-        self.trace.append((step, "compute-2", {r: round(x, 5) for r, x in windowed.items()},
-                           [slow] if flagged else [], {r: round(x, 5) for r, x in waits.items()}))
+        self.trace.append((step, "compute-2", windowed, [slow] if flagged else [], waits))
         out = []
         for r in windowed:
             hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
-            hist.append((step, flagged and r == slow, ratio if r == slow else 1.0))
+            if not _record(hist, (step, flagged and r == slow, ratio if r == slow else 1.0)):
+                continue
             f = self._persistent(r, metric, hist, self.k, "arrival order: 2 ranks, no majority")
             if f is not None:
                 f.confidence = TWO_RANK_CONFIDENCE
@@ -316,13 +323,20 @@ class StragglerDetector:
                 out.append(f)
         return out
 
+    def trace_rows(self) -> list[list]:
+        """The recent judgements, values rounded, for the run's events (diagnosis of a missed or a false call)."""
+        return [[{r: round(x, 5) for r, x in v.items()} if isinstance(v, dict) else v for v in row]
+                for row in self.trace]
+
     # ---- findings --------------------------------------------------------------------------------
     def _persistent(self, rank, metric, hist, k: int, basis: str) -> Finding | None:
-        flagged = [(s, ratio) for s, hit, ratio in hist if hit]
-        key = (rank, metric.label, "persistent")
         # "k of the last m" needs m evaluations: k of the first k alone is one short episode
-        if len(flagged) < k or len(hist) < (hist.maxlen or 0) or key in self._reported:
+        if len(hist) < (hist.maxlen or 0) or (rank, metric.label, "persistent") in self._reported:
             return None
+        flagged = [(s, ratio) for s, hit, ratio in hist if hit]
+        if len(flagged) < k:
+            return None
+        key = (rank, metric.label, "persistent")
         self._reported.add(key)
         ratio = float(statistics.median([r for _, r in flagged]))
         steps = [s for s, _ in flagged]
@@ -385,3 +399,30 @@ def _ratio_to_peers(rank: int, values: dict[int, float]) -> float:
     """The rank's value over the median of the others': the slowdown a person reads ("1.3x its peers")."""
     peers = statistics.median(v for r, v in values.items() if r != rank)
     return values[rank] / peers if peers > 0 else float("inf")
+
+
+def _record(hist: deque, entry: tuple) -> bool:
+    """Append (step, flagged, ratio); True when "k of the last m" may have changed: a flagged entry, or the
+    history just filled. An unflagged entry into a full history only pushes an older one out."""
+    judge = entry[1] or len(hist) == (hist.maxlen or 0) - 1
+    hist.append(entry)
+    return bool(judge)
+
+
+def _may_stand_out(values: dict[int, float], rel: float) -> bool:
+    """False when no vote with relative threshold `rel` can flag anyone, so it need not run: every member's
+    centre (the class median, or its peers') is at least the smallest value, and the largest value is within
+    `rel` of it. Most steps of a healthy job end here. Non-finite or non-positive values go to the vote."""
+    lo, hi = min(values.values()), max(values.values())
+    return not (lo > 0 and hi <= (1 + rel) * lo)
+
+
+def _median(values) -> float:
+    """statistics.median's result without its per-call overhead (the detector takes several per step)."""
+    s = sorted(values)
+    h = len(s) // 2
+    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
+
+
+def _waits_of(recs: dict[int, StepRecord], gpu: bool) -> dict[int, float]:
+    return {r: rec.gpu_wait_s if gpu else rec.wait_s for r, rec in recs.items()}
