@@ -4,11 +4,15 @@ the link-probe verdict, and the round-robin schedule the probe follows."""
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
-from trainscout.detectors.straggler import StragglerDetector
+from trainscout.detectors.straggler import StragglerDetector, _may_stand_out, _SlidingMedian
 from trainscout.probe.link_probe import round_robin
 from trainscout.wire.messages import LinkRecord, StepRecord
 
@@ -215,3 +219,35 @@ def test_round_robin_meets_every_pair_once(n):
     met = [tuple(sorted((a, b))) for pairs in rounds for a, b in pairs.items() if a < b]
     assert sorted(met) == [(a, b) for a in range(n) for b in range(a + 1, n)]
     assert all(pairs[pairs[a]] == a for pairs in rounds for a in pairs)  # partners agree
+
+
+# ---- the detector's shortcuts must not change what it says ----------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(min_value=1e-6, max_value=10.0), min_size=3, max_size=9),
+       st.sampled_from([0.09, 0.2, 0.5]))
+def test_a_vote_skipped_as_unable_to_flag_would_have_flagged_nobody(values, rel):
+    samples = dict(enumerate(values))
+    if _may_stand_out(samples, rel):
+        return
+    for vote in (vote_statistical, vote_against_peers):
+        verdict = vote(samples, rel_threshold=rel, abs_threshold=0.0)
+        assert verdict.status == "agree" and not verdict.outliers, (vote.__name__, samples, verdict)
+
+
+def test_sliding_median_equals_the_median_of_the_last_values():
+    rng = random.Random(7)
+    window, recent = _SlidingMedian(64), []
+    for _ in range(3000):
+        x = rng.choice([rng.random(), 1.0, 0.5])  # repeated values too
+        window.append(x)
+        recent = (recent + [x])[-64:]
+        assert window.median() == statistics.median(recent)
+        assert window.full() == (len(recent) == 64)
+
+
+def test_a_non_finite_timing_is_left_out_not_fatal():
+    det = StragglerDetector()
+    nan_at = lambda r, s: float("nan") if (r, s) == (2, 30) else 0.02  # noqa: E731
+    assert _feed(det, range(1, 120), WORLD, nan_at) == []
+    assert det.steps_evaluated == 118

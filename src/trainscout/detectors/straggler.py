@@ -27,6 +27,8 @@ A uniformly slow job has no outlier. Communication stragglers are comm_straggler
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -80,7 +82,7 @@ class StragglerDetector:
         self.window, self.spike_ratio = window, spike_ratio
         self._windows: dict[tuple[int, str], deque] = {}
         self._recent_compute: deque = deque(maxlen=window)  # the last `window` steps' compute samples, per step
-        self._fine: dict[int, deque] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
+        self._fine: dict[int, _SlidingMedian] = {}  # rank -> step-normalised compute, last FINE_WINDOW steps
         self._fine_flags: dict[int, deque] = {}
         self._waits: dict[int, deque] = {}  # rank -> collective wait, last FINE_WINDOW steps (arrival order)
         self._two_ratio: deque = deque(maxlen=TWO_RANK_WINDOW)  # 2 ranks: higher rank's compute / lower rank's
@@ -128,14 +130,14 @@ class StragglerDetector:
             # host-bound rank 0 read 1.62x its peer on a clean 2-GPU FSDP2 job): judge GPU spans or nothing.
             self.cuda_job = self.cuda_job or any(rec.gpu_s >= 0 or rec.gpu_s == GPU_UNMEASURED for rec in recs.values())
             if not self.cuda_job:
-                return {r: rec.cpu_s for r, rec in recs.items()}
+                return {r: rec.cpu_s for r, rec in recs.items() if math.isfinite(rec.cpu_s)}
             if self.gpu_compute and all(rec.gpu_s >= 0 for rec in recs.values()):
                 self.compute_measure = "gpu"
-                return {r: rec.gpu_s for r, rec in recs.items()}
+                return {r: rec.gpu_s for r, rec in recs.items() if math.isfinite(rec.gpu_s)}
             return {}  # GPU compute off, or a step whose GPU time some rank could not read
         # only ranks that loaded data / wrote a checkpoint this step are comparable (a rank-0-only
         # checkpoint is a design choice, not a straggler)
-        return {r: getattr(rec, metric.name) for r, rec in recs.items() if getattr(rec, metric.name) > 0}
+        return {r: x for r, rec in recs.items() if 0 < (x := getattr(rec, metric.name)) < math.inf}
 
     def _judge(self, step: int, recs: dict[int, StepRecord], metric: Metric) -> tuple[list[Finding], bool]:
         samples = self._samples(recs, metric)
@@ -211,10 +213,12 @@ class StragglerDetector:
             return [], False
         norm = {}
         for r, x in samples.items():
-            w = self._fine.setdefault(r, deque(maxlen=FINE_WINDOW))
+            w = self._fine.get(r)
+            if w is None:
+                w = self._fine[r] = _SlidingMedian(FINE_WINDOW)
             w.append(x / median_now)
-            if len(w) == FINE_WINDOW:
-                norm[r] = _median(w)
+            if w.full():
+                norm[r] = w.median()
         if len(norm) < 3 or step <= WARMUP_STEPS:
             return [], False
         voted: set[int] = set()
@@ -415,6 +419,27 @@ def _may_stand_out(values: dict[int, float], rel: float) -> bool:
     `rel` of it. Most steps of a healthy job end here. Non-finite or non-positive values go to the vote."""
     lo, hi = min(values.values()), max(values.values())
     return not (lo > 0 and hi <= (1 + rel) * lo)
+
+
+class _SlidingMedian:
+    """The last `size` values in arrival order and sorted, so a window's median costs no sort per step."""
+
+    def __init__(self, size: int) -> None:
+        self.values: deque = deque(maxlen=size)
+        self.sorted: list[float] = []
+
+    def append(self, x: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            del self.sorted[bisect.bisect_left(self.sorted, self.values[0])]
+        self.values.append(x)
+        bisect.insort(self.sorted, x)
+
+    def full(self) -> bool:
+        return len(self.values) == self.values.maxlen
+
+    def median(self) -> float:
+        s, h = self.sorted, len(self.sorted) // 2
+        return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
 
 
 def _median(values) -> float:
