@@ -17,6 +17,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -51,12 +52,31 @@ def _peer():
     return _compute_tensor_signature
 
 
-def _graph_ms(fn) -> float | None:
-    """Median time of fn replayed from a CUDA graph: GPU time without the Python launch overhead."""
-    import triton.testing
-
+def _graph_ms(fn, calls: int = 20, reps: int = 25) -> float | None:
+    """Median time of fn replayed from a CUDA graph: GPU time without the Python launch overhead. Warm-up and
+    capture use one side stream: the fingerprint keeps its scratch per stream and refuses a capture on a
+    stream it has not run on (Triton's do_bench_cudagraph warms up and captures on different streams)."""
     try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        return float(statistics.median(times))
     except Exception as exc:
         print(f"cuda graph timing failed: {exc!r}", flush=True)
         return None
