@@ -259,5 +259,8 @@ def _recorder_dtype(tensor) -> str | None:
 def _op_name(op) -> str:
     if op is None:
         return "SUM"
-    text = str(op)
-    return text.rsplit(".", 1)[-1]
+    # A ReduceOp object (ReduceOp(ReduceOp.SUM), a premul-sum with its factor) wraps its kind in .op; its own
+    # text is its address, different on every rank, which would read as a desync.
+    kind = getattr(op, "op", op)
+    name = getattr(kind, "name", None)
+    return name if isinstance(name, str) else str(kind).rsplit(".", 1)[-1]
