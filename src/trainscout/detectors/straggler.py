@@ -145,8 +145,9 @@ class StragglerDetector:
             return self._judge_two(step, recs, samples, metric), False
         if len(samples) < 3:
             return [], False
+        step_waits: dict[int, float] = {}
         if metric.label == "compute":
-            self._note_waits(recs)
+            step_waits = self._note_waits(recs)
             self._recent_compute.append(samples)
         out = []
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.
@@ -175,8 +176,7 @@ class StragglerDetector:
                 outliers = self._slowest_in_most_steps(self._still_slow(outliers, metric), metric)
         if metric.label == "compute":  # what the vote said, what arrival order kept, and this step's waits
             # (rounded when written: most steps are never read)
-            self.trace.append((step, metric.label, samples, sorted(outliers), sorted(spikes), voted,
-                               _waits_of(recs, self.compute_measure == "gpu")))
+            self.trace.append((step, metric.label, samples, sorted(outliers), sorted(spikes), voted, step_waits))
         for r in samples:
             if r in spikes:
                 self._flag_steps.setdefault((r, metric.label), deque(maxlen=LOOKBACK)).append(step)
@@ -238,10 +238,13 @@ class StragglerDetector:
                 out.append(f)
         return out, bool(outliers)
 
-    def _note_waits(self, recs: dict[int, StepRecord]) -> None:
+    def _note_waits(self, recs: dict[int, StepRecord]) -> dict[int, float]:
+        """Add this step's collective waits to each rank's history, and return them."""
         gpu = self.compute_measure == "gpu"
-        for r, rec in recs.items():
-            self._waits.setdefault(r, deque(maxlen=FINE_WINDOW)).append(rec.gpu_wait_s if gpu else rec.wait_s)
+        waits = {r: rec.gpu_wait_s if gpu else rec.wait_s for r, rec in recs.items()}
+        for r, x in waits.items():
+            self._waits.setdefault(r, deque(maxlen=FINE_WINDOW)).append(x)
+        return waits
 
     def _arrive_last(self, outliers: set[int], window: int) -> set[int]:
         """Keep the outliers whose peers wait for them: a compute straggler arrives last at the collectives, so
@@ -334,13 +337,13 @@ class StragglerDetector:
 
     # ---- findings --------------------------------------------------------------------------------
     def _persistent(self, rank, metric, hist, k: int, basis: str) -> Finding | None:
+        key = (rank, metric.label, "persistent")
         # "k of the last m" needs m evaluations: k of the first k alone is one short episode
-        if len(hist) < (hist.maxlen or 0) or (rank, metric.label, "persistent") in self._reported:
+        if len(hist) < (hist.maxlen or 0) or key in self._reported:
             return None
         flagged = [(s, ratio) for s, hit, ratio in hist if hit]
         if len(flagged) < k:
             return None
-        key = (rank, metric.label, "persistent")
         self._reported.add(key)
         ratio = float(statistics.median([r for _, r in flagged]))
         steps = [s for s, _ in flagged]
@@ -438,16 +441,16 @@ class _SlidingMedian:
         return len(self.values) == self.values.maxlen
 
     def median(self) -> float:
-        s, h = self.sorted, len(self.sorted) // 2
-        return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
+        return _middle(self.sorted)
 
 
 def _median(values) -> float:
     """statistics.median's result without its per-call overhead (the detector takes several per step)."""
-    s = sorted(values)
+    return _middle(sorted(values))
+
+
+def _middle(s: list[float]) -> float:
+    """The median of an already sorted, non-empty list."""
     h = len(s) // 2
     return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
 
-
-def _waits_of(recs: dict[int, StepRecord], gpu: bool) -> dict[int, float]:
-    return {r: rec.gpu_wait_s if gpu else rec.wait_s for r, rec in recs.items()}
