@@ -46,7 +46,8 @@ def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
                                    "--run-id", run_id, "--", *job]
     sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
     res = launch(cmd, out / f"{run_id}.out", env=env or {}, timeout_s=args.timeout, sampler=sampler)
-    steps = [float(x) for x in timing.read_text().split()] if timing.exists() else []
+    steps = [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] \
+        if timing.exists() else []
     kept = steps[args.warmup:]
     costs = probe_costs.read_reports(str(out / run_id)) if env is not None else []
     findings = read_jsonl(out / run_id / "findings.jsonl") if env is not None else []

@@ -67,7 +67,8 @@ def one_run(side: str, index: int, args: argparse.Namespace, out: Path, env: dic
                                       str(out), "--run-id", run_id, "--", *job]
     sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
     res = launch(cmd, out / f"{run_id}.out", env=env, timeout_s=args.timeout, sampler=sampler)
-    steps = [float(x) for x in timing.read_text().split()] if timing.exists() else []
+    steps = [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] \
+        if timing.exists() else []
     kept = steps[args.warmup:]
     findings = read_jsonl(out / run_id / "findings.jsonl") if side == "trainscout" else []
     return {"side": side, "run_id": run_id, "code": res.code, "wall_s": round(res.wall_s, 2),

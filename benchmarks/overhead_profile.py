@@ -138,7 +138,8 @@ def run_once(side: str, args: argparse.Namespace, out: Path) -> dict:
     by_role: dict[str, float] = collections.defaultdict(float)
     for pid, value in cpu.items():
         by_role[roles[pid]] += value
-    steps = [float(x) for x in timing.read_text().split()] if timing.exists() else []
+    steps = [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] \
+        if timing.exists() else []
     return {"side": side, "code": proc.returncode, "load": load_before, "cpu": dict(by_role),
             "median_ms": 1000 * median(steps[20:]) if len(steps) > 20 else None,
             "profile": analyse(raw) if raw.exists() else None}

@@ -70,8 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR")
     parser.add_argument("--slow-ms", type=float, default=0.0, help="every rank sleeps this long each step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-file", default=None, metavar="PATH",
+                        help="end training (every rank, at the same step) once this file exists; looked for "
+                             "every 10 steps")
     parser.add_argument("--timing-file", default=None, metavar="PATH",
-                        help="rank 0 writes each step's wall seconds here, one per line, after training")
+                        help="rank 0 writes each step's wall seconds and its end time (monotonic clock, seconds) "
+                             "here, one step per line, after training")
     return parser.parse_args(argv)
 
 
@@ -120,6 +124,7 @@ def train(args: argparse.Namespace) -> None:
         # Step times are kept in memory and written after the loop: file I/O per step would itself show up
         # in the overhead benchmark that reads them. Each spans the whole iteration, data loading included.
         step_seconds: list[float] = []
+        step_ends: list[float] = []  # perf_counter is CLOCK_MONOTONIC: comparable with other processes' clocks
         started = step_started = time.perf_counter()
         for step, (inputs, targets) in enumerate(batches(loader, sampler), start=1):
             logits = model(inputs)
@@ -144,19 +149,29 @@ def train(args: argparse.Namespace) -> None:
                 print(f"step {step} loss {logged.item():.3f}", flush=True)
             now = time.perf_counter()
             step_seconds.append(now - step_started)
+            step_ends.append(now)
             step_started = now
             if step >= args.steps:
+                break
+            if args.stop_file and step % 10 == 0 and _stop_requested(args.stop_file, rank):
                 break
         elapsed = time.perf_counter() - started
 
     if rank == 0 and args.timing_file:
         with open(args.timing_file, "w") as fh:
-            fh.writelines(f"{s:.9f}\n" for s in step_seconds)
+            fh.writelines(f"{s:.9f} {e:.6f}\n" for s, e in zip(step_seconds, step_ends))
 
     if rank == 0:
         print(f"done: {args.steps} steps in {elapsed:.2f} s ({1000 * elapsed / max(args.steps, 1):.1f} ms/step)",
               flush=True)
     dist.destroy_process_group()
+
+
+def _stop_requested(path: str, rank: int) -> bool:
+    """Rank 0 looks for the file and tells the others (they must leave the loop at the same step)."""
+    flag = torch.tensor([1 if rank == 0 and os.path.exists(path) else 0])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def main(argv: list[str] | None = None) -> int:

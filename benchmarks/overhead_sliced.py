@@ -1,0 +1,329 @@
+"""Healthy-path overhead, time-sliced: the baseline job and the trainscout job alive at once, one running at a time.
+
+Sequential A/B runs on a small shared VM differ by 10-30 % between runs of the same job (the host's load
+changes over tens of seconds, and 4 ranks on 2 cores settle into different schedules from run to run), which
+swamps a 1 % effect: `overhead.py` needs hundreds of pairs to bound it. Here both jobs (the same 4-rank gloo
+DDP demo, `trainscout.demo.train --timing-file F`, one of them under `trainscout run`) start together; once
+both are past the warm-up, the harness freezes one job's whole process tree with SIGSTOP (ranks, torchrun,
+and on the trainscout side the supervisor, agent and coordinator) while the other runs for --slice seconds,
+and alternates. Neighbouring slices see the same machine seconds apart, so the host's drifts cancel.
+
+Per slice: the median wall time of the steps that began and ended inside it (rank 0's timing file gives each
+step's end on the monotonic clock), its first --settle steps dropped (caches are cold after the other job
+ran), and the CPU seconds of the running tree per step in it (psutil, read while both trees are frozen).
+Each B slice is compared with the mean of the A slices before and after it (a linear drift cancels); the
+headline is the median of those ratios with a 95 % block-bootstrap interval (neighbouring ratios share an A
+slice, so blocks of consecutive ratios are resampled). The bar (<= 1 %) is met only when the whole interval
+is under it. `--a` / `--b` pick each side (`base` or `trainscout`) so an A/A run (`--b base`) shows the
+harness's own bias and noise; `--a-env` / `--b-env` K=V change one side's settings.
+
+Slices are kept shorter than the coordinator's agent-silence limit (2 s): a frozen tree is frozen whole,
+so trainscout sees a job-wide pause, which it must not report (the run's findings are listed).
+
+    .venv/bin/python benchmarks/overhead_sliced.py --seconds 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (PYTHON, REPO, append_results, begin, command_line, fmt, free_port, markdown_table,  # noqa: E402
+                     median, percentile, read_jsonl, text_table, uptime)
+
+BAR = 1.01
+
+
+class Job:
+    """One side: a demo job (plain torchrun, or under `trainscout run`) whose process tree can be frozen."""
+
+    def __init__(self, label: str, side: str, out: Path, args: argparse.Namespace, env: dict[str, str]) -> None:
+        self.label, self.side = label, side
+        self.run_id = f"sl-{label}-{side}"
+        self.timing = out / f"{self.run_id}.steps.txt"
+        self.log = out / f"{self.run_id}.out"
+        self.run_dir = out / self.run_id
+        self.stop_file = out / f"{self.run_id}.stop"
+        job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
+               str(free_port()), "-m", "trainscout.demo.train", "--steps", str(args.steps),
+               "--timing-file", str(self.timing), "--stop-file", str(self.stop_file)]
+        cmd = job if side == "base" else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir",
+                                          str(out), "--run-id", self.run_id, "--", *job]
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+        self._log_fh = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+                                     start_new_session=True)
+        self.frozen: list = []
+
+    def tree(self) -> list:
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def logged_step(self) -> int:
+        try:
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.startswith("step ")]
+            return int(lines[-1].split()[1]) if lines else 0
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds so far of each kind of process in the tree (ranks, torchrun, trainscout's monitors)."""
+        import psutil
+
+        out: dict[str, float] = {}
+        for p in self.tree():
+            try:
+                t = p.cpu_times()
+                role = _role(p.cmdline())
+            except psutil.Error:
+                continue
+            out[role] = out.get(role, 0.0) + t.user + t.system + t.children_user + t.children_system
+        return out
+
+    def freeze(self) -> None:
+        self.frozen = self.tree()
+        for p in self.frozen:
+            try:
+                p.send_signal(signal.SIGSTOP)
+            except Exception:
+                pass
+
+    def thaw(self) -> None:
+        for p in self.frozen or self.tree():
+            try:
+                p.send_signal(signal.SIGCONT)
+            except Exception:
+                pass
+        self.frozen = []
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.thaw()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                return self.proc.wait()
+        finally:
+            self._log_fh.close()
+
+    def steps(self) -> list[tuple[float, float]]:
+        """(start, end) of each step on the monotonic clock, from rank 0's timing file."""
+        if not self.timing.exists():
+            return []
+        out = []
+        for line in self.timing.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2:
+                seconds, end = float(parts[0]), float(parts[1])
+                out.append((end - seconds, end))
+        return out
+
+
+def _role(cmdline: list[str]) -> str:
+    """What a process of a job is, from the module it runs (the launchers' own arguments name the others)."""
+    module = next((cmdline[i + 1] for i, arg in enumerate(cmdline[:-1]) if arg == "-m"), "")
+    if module == "trainscout":
+        return "supervisor"
+    return {"trainscout.demo.train": "ranks", "trainscout.agent": "agent", "trainscout.coordinator": "coordinator",
+            "torch.distributed.run": "torchrun"}.get(module, "other")
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected K=V, got {item!r}")
+        env[key] = value
+    return env
+
+
+def slice_stats(steps: list[tuple[float, float]], t0: float, t1: float, settle: int) -> tuple[float | None, int]:
+    """Median seconds of the steps wholly inside [t0, t1] after the first `settle` of them, and how many ended
+    inside it (for CPU per step)."""
+    inside = [e - s for s, e in steps if s >= t0 and e <= t1]
+    ended = sum(1 for _, e in steps if t0 <= e <= t1)
+    kept = inside[settle:]
+    return (median(kept) if len(kept) >= 3 else None), ended
+
+
+def neighbour_ratios(a_vals: list[float | None], b_vals: list[float | None]) -> list[float]:
+    """B slice k against the mean of A slices k and k+1 (A runs first, then B, alternating)."""
+    out = []
+    for k, b in enumerate(b_vals):
+        around = [a for a in a_vals[k:k + 2] if a]
+        if b and len(around) == 2:
+            out.append(b / (sum(around) / 2))
+    return out
+
+
+def block_bootstrap_median_ci(values: list[float], block: int = 5, rounds: int = 4000,
+                              seed: int = 0) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(values)
+    block = max(1, min(block, n))
+    starts = list(range(n - block + 1))
+    meds = []
+    for _ in range(rounds):
+        sample: list[float] = []
+        while len(sample) < n:
+            s = rng.choice(starts)
+            sample.extend(values[s:s + block])
+        meds.append(median(sample[:n]))
+    meds.sort()
+    return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=300.0, help="sliced time in all (both sides together)")
+    parser.add_argument("--slice", type=float, default=1.0, help="seconds one side runs before the other does")
+    parser.add_argument("--settle", type=int, default=2, help="steps dropped at the start of each slice")
+    parser.add_argument("--steps", type=int, default=100_000,
+                        help="most steps per job; both are told to stop (--stop-file) when the slicing ends")
+    parser.add_argument("--warmup", type=int, default=40, help="logged step both jobs reach before slicing")
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--a", default="base", choices=("base", "trainscout"), help="side A (default base)")
+    parser.add_argument("--b", default="trainscout", choices=("base", "trainscout"), help="side B")
+    parser.add_argument("--a-env", action="append", default=[], metavar="K=V")
+    parser.add_argument("--b-env", action="append", default=[], metavar="K=V")
+    parser.add_argument("--label", default="", help="a word for the RESULTS.md title")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    args = parser.parse_args()
+    if not 0.2 <= args.slice <= 1.5:
+        raise SystemExit("--slice must be 0.2-1.5 s: longer freezes read as a lost agent to the coordinator")
+    out, info, up_before = begin("overhead-sliced", args.out_dir)
+    a_env, b_env = parse_env(args.a_env), parse_env(args.b_env)
+
+    a = Job("a", args.a, out, args, a_env)
+    b = Job("b", args.b, out, args, b_env)
+    started = time.monotonic()
+    while min(a.logged_step(), b.logged_step()) < args.warmup:
+        if not (a.alive() and b.alive()) or time.monotonic() - started > 300:
+            break
+        time.sleep(0.2)
+
+    slices: list[tuple[str, float, float, dict]] = []  # (side label, start, end, CPU seconds by role)
+    if a.alive() and b.alive():
+        b.freeze()
+        a.freeze()
+        deadline = time.monotonic() + args.seconds
+        turn = a
+        while time.monotonic() < deadline and a.alive() and b.alive():
+            cpu0 = turn.cpu_by_role()
+            t0 = time.monotonic()
+            turn.thaw()
+            time.sleep(args.slice)
+            turn.freeze()
+            t1 = time.monotonic()
+            cpu1 = turn.cpu_by_role()
+            slices.append((turn.label, t0, t1, {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}))
+            turn = b if turn is a else a
+        a.thaw()
+        b.thaw()
+    for job in (a, b):
+        job.stop_file.touch()
+    codes = {"a": a.wait(600), "b": b.wait(600)}
+    up_after = uptime()
+
+    a_steps, b_steps = a.steps(), b.steps()
+    per = {"a": [], "b": []}  # (median s, CPU s per step) per slice of each side, in order
+    roles: dict[str, dict[str, float]] = {"a": {}, "b": {}}  # CPU seconds by role over all of a side's slices
+    ended_in = {"a": 0, "b": 0}
+    for label, t0, t1, cpu in slices:
+        med, ended = slice_stats(a_steps if label == "a" else b_steps, t0, t1, args.settle)
+        per[label].append((med, sum(cpu.values()) / ended if ended else None))
+        ended_in[label] += ended
+        for role, sec in cpu.items():
+            roles[label][role] = roles[label].get(role, 0.0) + sec
+    # the pairing assumes A came first and sides alternated; an unfinished last A leaves B's last slice out
+    ratios = neighbour_ratios([m for m, _ in per["a"]], [m for m, _ in per["b"]])
+    cpu_ratios = neighbour_ratios([c for _, c in per["a"]], [c for _, c in per["b"]])
+    lo, hi = block_bootstrap_median_ci(ratios)
+    clo, chi = block_bootstrap_median_ci(cpu_ratios)
+    in_slices = {"a": [], "b": []}
+    for label, t0, t1, _ in slices:
+        steps = a_steps if label == "a" else b_steps
+        in_slices[label] += [e - s for s, e in steps if s >= t0 and e <= t1]
+    pa, pb = in_slices["a"], in_slices["b"]
+
+    findings = {j.label: [(f.get("kind"), f.get("culprit_ranks")) for f in read_jsonl(j.run_dir / "findings.jsonl")]
+                for j in (a, b) if j.side == "trainscout"}
+    name = {"a": f"A ({args.a}{' ' + str(a_env) if a_env else ''})",
+            "b": f"B ({args.b}{' ' + str(b_env) if b_env else ''})"}
+    header = ["statistic", "A", "B", "B/A"]
+    rows = [
+        ["slices", str(len(per["a"])), str(len(per["b"])), ""],
+        ["steps inside slices", str(len(pa)), str(len(pb)), ""],
+        ["pooled median step (ms)", fmt(1000 * median(pa), 3), fmt(1000 * median(pb), 3),
+         fmt(median(pb) / median(pa), 4) if pa and pb else "-"],
+        ["pooled p95 step (ms)", fmt(1000 * percentile(pa, 95), 3), fmt(1000 * percentile(pb, 95), 3),
+         fmt(percentile(pb, 95) / percentile(pa, 95), 4) if pa and pb else "-"],
+        ["CPU ms per step (median of slices)",
+         fmt(1000 * median([c for _, c in per["a"] if c]), 2), fmt(1000 * median([c for _, c in per["b"] if c]), 2),
+         ""],
+        ["median of slice ratios (step time)", "", "", fmt(median(ratios), 4) if ratios else "-"],
+        ["95 % block-bootstrap interval", "", "", f"{fmt(lo, 4)} - {fmt(hi, 4)}"],
+        ["median of slice ratios (CPU per step)", "", "", fmt(median(cpu_ratios), 4) if cpu_ratios else "-"],
+        ["95 % block-bootstrap interval (CPU)", "", "", f"{fmt(clo, 4)} - {fmt(chi, 4)}"],
+    ]
+    for role in sorted(set(roles["a"]) | set(roles["b"])):
+        ms = [1000 * roles[k].get(role, 0.0) / ended_in[k] if ended_in[k] else 0.0 for k in ("a", "b")]
+        rows.append([f"CPU ms per step: {role}", fmt(ms[0], 3), fmt(ms[1], 3), ""])
+    print()
+    print(text_table(header, rows))
+    verdict = ("within" if hi <= BAR else "OVER" if lo > BAR else "not shown within") if ratios else "-"
+    headline = (f"{100 * (median(ratios) - 1):+.2f} % (95 % interval {100 * (lo - 1):+.2f} to "
+                f"{100 * (hi - 1):+.2f} %), {verdict} the 1 % bar") if ratios else "no ratios"
+    cpu_line = (f"{100 * (median(cpu_ratios) - 1):+.2f} % (95 % interval {100 * (clo - 1):+.2f} to "
+                f"{100 * (chi - 1):+.2f} %)") if cpu_ratios else "not measured"
+    print(f"B vs A, median step time: {headline}\nB vs A, CPU per step: {cpu_line}\nexit codes {codes}; "
+          f"findings {findings}\nuptime after: {up_after}")
+    with (out / "slices.jsonl").open("w") as fh:
+        for label, t0, t1, cpu in slices:
+            fh.write(json.dumps({"side": label, "t0": t0, "t1": t1, "cpu_s_by_role": cpu}) + "\n")
+
+    failed = [k for k, c in codes.items() if c != 0]
+    body = [f"- sides: {name['a']} vs {name['b']}; {args.nproc} ranks; slices of {args.slice:g} s alternating for "
+            f"{args.seconds:g} s after both jobs logged step {args.warmup}; first {args.settle} steps of a slice "
+            f"dropped; step time from rank 0; run dirs under `<out-dir>`",
+            f"- uptime before `{up_before}`; after `{up_after}`",
+            f"- **B vs A, median step time: {headline}**",
+            f"- B vs A, CPU per step (whole tree, per slice): {cpu_line}",
+            "", markdown_table(header, rows), "",
+            f"- exit codes: {codes}; findings on the trainscout side(s): {findings or 'none'}"]
+    if failed:
+        body.append(f"- **sides that failed: {failed}**")
+    if not args.no_record:
+        title = "Healthy-path overhead, time-sliced (benchmarks/overhead_sliced.py)" + \
+            (f": {args.label}" if args.label else "")
+        append_results(title, info, command_line().replace(str(out), "<out-dir>"), "\n".join(body))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
