@@ -1,4 +1,5 @@
-"""The end-of-backward check of CPU gradients: the flat-buffer sum, its per-gradient fallback, and naming."""
+"""The end-of-backward check of CPU gradients: the fused finiteness test, the flat-buffer sum and per-gradient
+sums it falls back to, and naming."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from trainscout.probe import nonfinite
 from trainscout.probe.nonfinite import NonFiniteCheck
 
 
-def _check_with(params: dict[str, torch.Tensor]):
+def _check_with(params: dict[str, torch.Tensor], fused: bool = False):
+    """fused=False switches the fused test off, so the sums it falls back to are what is tested."""
     records = []
     check = NonFiniteCheck(lambda *rec: records.append(rec), lambda: 6)
+    check._fused_ok = fused
     for name, p in params.items():
         check._cpu_params.append(p)
         check._cpu_names.append(name)
@@ -33,6 +36,47 @@ def _params(dtype=torch.float32, shapes=((4, 3), (3,), (2, 2, 2))):
         p.grad = torch.full(shape, 0.5, dtype=dtype)
         out[f"layer{i}.weight"] = p
     return out
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_fused_path_names_the_gradient_and_leaves_every_value_as_it_was(bad):
+    params = _params(shapes=((4, 3), (3,), (2, 2, 2), (5,)))
+    params["layer3.weight"].grad = torch.tensor([1e-40, -0.0, 3e38, -2.5, 7.0])  # subnormal, signed zero, huge
+    check, run_check = _check_with(params, fused=True)
+    before = {name: p.grad.clone() for name, p in params.items()}
+    assert run_check() == []
+    assert check._fused_ok and check._flat is None  # served by the fused test, no flat copy made
+    for name, p in params.items():
+        assert torch.equal(p.grad, before[name]) and torch.equal(p.grad.signbit(), before[name].signbit())
+    params["layer1.weight"].grad[2] = bad
+    assert run_check() == ["grad layer1.weight"]
+    assert math.isnan(params["layer1.weight"].grad[2]) == math.isnan(bad)
+
+
+def test_fused_path_does_not_report_a_finite_sum_that_overflows():
+    params = _params()
+    for p in params.values():
+        p.grad.fill_(3e38)
+    check, run_check = _check_with(params, fused=True)
+    assert run_check() == [] and check._fused_ok
+
+
+def test_fused_path_never_writes_a_gradient_that_is_part_of_a_graph():
+    params = _params()
+    x = torch.ones(3, requires_grad=True)
+    params["layer1.weight"].grad = x * 2  # as backward(create_graph=True) leaves it
+    check, run_check = _check_with(params, fused=True)
+    assert run_check() == []
+    assert params["layer1.weight"].grad.grad_fn is not None and params["layer1.weight"].grad._version == 0
+
+
+def test_fused_path_gives_way_to_the_sums_for_a_sparse_gradient():
+    params = _params()
+    check, run_check = _check_with(params, fused=True)
+    emb = params["layer0.weight"]
+    emb.grad = torch.sparse_coo_tensor([[1], [2]], [math.nan], emb.shape, check_invariants=True)
+    assert run_check() == ["grad layer0.weight"]
+    assert not check._fused_ok
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

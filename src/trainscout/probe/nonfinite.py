@@ -5,9 +5,11 @@ the loss when `backward()` is called on it, and each gradient before DDP reduces
 then names the rank(s) that turned non-finite at the earliest step.
 
 CPU tensors are checked at once: the loss in the `backward` wrapper, the gradients at the end of the
-backward pass, in the same engine callback the CUDA path uses (below): one sum over all gradients (copied
-into one flat buffer by one call when they are small) and one finiteness test, instead of a Python hook
-per gradient. With
+backward pass, in the same engine callback the CUDA path uses (below): one fused elementwise finiteness
+test over all gradients (the AMP grad scaler's check, with a scale of exactly 1, so every value is
+rewritten unchanged), instead of a Python hook per gradient. Where that cannot run (a sparse or
+overlapping gradient, one that is part of a graph) one sum over all gradients (copied into one flat buffer
+when they are small) and one finiteness test replace it. With
 `gradient_as_bucket_view=True` each gradient is summed in its own post-accumulate-grad hook instead.
 
 CUDA tensors are checked without a host sync, once per backward. The wrapper hooks the start of the
@@ -36,6 +38,7 @@ NONFINITE_PG_INDEX = -2
 _MAX_REPORTS = 8
 _GRAD = operator.attrgetter("grad")  # map() over C-level getters: half the host time of a Python loop
 _NBYTES = operator.attrgetter("nbytes")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 # Checks in flight before new ones are skipped: a sync-free FSDP2 job on 2 GPUs ran its host more than 8 steps
@@ -60,6 +63,8 @@ class NonFiniteCheck:
         self._cpu_params: list = []
         self._cpu_names: list[str] = []
         self._cpu_armed = False
+        self._fused_ok = True  # the fused finiteness test serves (see _cpu_finite); else the sums below
+        self._found, self._unit = None, None  # its flag and scale (made on first use)
         self._flat, self._flat_views = None, []  # see _cpu_total
         self._flat_params = -1  # how many CPU parameters the flat buffer was laid out for
         # CUDA path
@@ -219,7 +224,7 @@ class NonFiniteCheck:
             grads = [p.grad for p in self._cpu_params]
             # NaN/Inf anywhere makes the sum of all elements non-finite; only then is each gradient tested,
             # so a finite sum that overflowed names nothing.
-            if not math.isfinite(self._cpu_total(torch, grads)):
+            if not self._cpu_finite(torch, grads):
                 bad = next((n for n, g in zip(self._cpu_names, grads)
                             if g is not None and _holds_nonfinite(torch, g)), None)
                 if bad is not None:
@@ -229,6 +234,25 @@ class NonFiniteCheck:
         self.spent_s += time.perf_counter() - t0
         if self.on_cpu is not None:
             self.on_cpu(time.thread_time() - c0)
+
+    def _cpu_finite(self, torch, grads: list) -> bool:
+        """Whether every element of the CPU gradients is finite. One C++ call reads each gradient once (cold
+        after backward, so bytes read are the cost: 83 against 129 us for copy-then-sum on the demo's 29
+        gradients). It multiplies in place by exactly 1.0, which leaves every value as it was (NaN, Inf,
+        subnormals included); a gradient that is part of a graph (create_graph) is never written."""
+        if self._fused_ok:
+            present = [g for g in grads if g is not None]
+            if present and not any(map(_REQUIRES_GRAD, present)):
+                try:
+                    if self._found is None:
+                        self._found, self._unit = torch.zeros(1), torch.ones(1)
+                    else:
+                        self._found.zero_()
+                    torch._amp_foreach_non_finite_check_and_unscale_(present, self._found, self._unit)
+                    return not self._found.item()
+                except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+                    self._fused_ok = False  # e.g. a sparse gradient: the sums from now on
+        return math.isfinite(self._cpu_total(torch, grads))
 
     def _cpu_total(self, torch, grads: list) -> float:
         """The sum of every element of the CPU gradients. Per-tensor dispatch dominates on small models, so
