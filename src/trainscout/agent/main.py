@@ -26,7 +26,7 @@ from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, Record
 
 class Agent:
     def __init__(self, run_id: str, coordinator: str, secret: bytes, node_id: str,
-                 interval_s: float = 0.5, tick_s: float = 0.5, stack_method: str = "py-spy") -> None:
+                 interval_s: float = 1.0, tick_s: float = 1.0, stack_method: str = "py-spy") -> None:
         self.run_id = run_id
         self.node_id = node_id
         self.host = socket.gethostname()
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-id", required=True)
     p.add_argument("--coordinator", required=True, help="tcp://HOST:PORT of the coordinator")
     p.add_argument("--node-id", default=socket.gethostname())
-    p.add_argument("--interval", type=float, default=0.5)
+    # once a second: the hang timeout (5 s) dominates detection latency, and each digest costs the node CPU
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between digests (default 1)")
     p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default="py-spy")
     p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
     args = p.parse_args(argv)

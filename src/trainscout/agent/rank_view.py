@@ -289,6 +289,10 @@ class RankView:
             self.exit = RankExit(how=h["exit_how"].decode(errors="replace") or "exit",
                                  code=None if code == -1 else code, signal=sig,
                                  message=h["exit_text"].decode(errors="replace"), step=int(h["step"]), age_s=0.0)
+            # the rank's own clock (same host): exits seen in one tick keep the order they happened in
+            recorded_ns = int(h["exit_ns"])
+            self._exit_seen_ns = min(recorded_ns, time.monotonic_ns()) if recorded_ns > 0 else time.monotonic_ns()
+            return
         elif not alive:
             code, sig = (None, None)
             if zombie_status is not None:

@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from collections import deque
@@ -70,7 +71,7 @@ REPLAY_LEAD_STEPS = 10
 class Coordinator:
     def __init__(self, endpoint: CoordinatorEndpoint, run_dir: str, console: ConsoleSink, *,
                  hang_timeout_s: float = 5.0, stall_timeout_s: float = 300.0, abort_on: set[str] | None = None,
-                 stack_timeout_s: float = 4.0, agent_silence_s: float = 2.0) -> None:
+                 stack_timeout_s: float = 4.0, agent_silence_s: float = 3.0) -> None:
         self.endpoint = endpoint
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
@@ -93,6 +94,7 @@ class Coordinator:
         self.ranks: dict[int, RankObs] = {}
         self.replay_request_file = os.path.join(run_dir, REPLAY_REQUEST)
         self._step_history: deque = deque(maxlen=64)  # (monotonic s, highest step of any rank)
+        self._step_walls: deque = deque(maxlen=64)  # recent steps' wall seconds, any rank (the rate at start-up)
         self.rank_node: dict[int, bytes] = {}
         self.nodes: dict[bytes, dict] = {}
         self.launcher_codes: dict[int, int] = {}
@@ -132,10 +134,14 @@ class Coordinator:
                     self.replay.add(st.rank, st.replays, now)
                 if st.steps:
                     self.straggler.add(st.rank, st.steps, now)
+                    self._step_walls.extend(r.wall_s for r in st.steps if r.wall_s > 0)
                 if st.links:
                     self.straggler.add_links(st.rank, st.links, now)
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
+            top = max(o.state.step for o in self.ranks.values()) if self.ranks else 0
+            if not self._step_history or self._step_history[-1][1] != top:
+                self._step_history.append((now, top))  # when the furthest rank's step was known to move
         elif isinstance(msg, StackReport):
             self._on_stack(msg, now)
         elif isinstance(msg, RecordsReport):
@@ -266,15 +272,21 @@ class Coordinator:
         self.events.write("link_probe_requested", pg=pg, step=step, members=members, steps_per_s=round(rate, 2))
 
     def _step_ahead(self, now: float) -> tuple[int | None, float]:
-        """A step a few seconds of training ahead (every probe reads a request within a second), and the
-        recent step rate. The history reaches back to start-up, when steps did not move: use the last
-        few seconds."""
+        """A step a few seconds of training ahead of where the ranks are now, and the recent step rate.
+
+        The furthest step known is a digest old (up to an agent interval, plus the coordinator's own
+        tick), so the steps made since are added. The rate comes from the last few seconds of that step
+        (start-up, when steps did not move, is left out), or, before it has moved over a few seconds, from
+        the steps' own wall times."""
         if not self._step_history:
             return None, 0.0
         t1, s1 = self._step_history[-1]
         t0, s0 = next((t, s) for t, s in self._step_history if t >= t1 - REPLAY_LEAD_S)
-        rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
-        return s1 + max(REPLAY_LEAD_STEPS, int(rate * REPLAY_LEAD_S) + 1), rate
+        rate = (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else 0.0
+        if rate <= 0.0 and self._step_walls:
+            rate = 1.0 / max(1e-6, statistics.median(self._step_walls))
+        ahead = rate * (max(0.0, now - t1) + REPLAY_LEAD_S)
+        return s1 + max(REPLAY_LEAD_STEPS, int(ahead) + 1), rate
 
     def _replay_on_command(self, now: float) -> None:
         """`trainscout replay RUN_DIR` drops a request file; schedule the replay a few seconds of steps ahead.
@@ -282,10 +294,6 @@ class Coordinator:
         Every replica must replay at the same step (the input travels by a side-group broadcast), so the
         step is picked far enough ahead that every probe has read the request before reaching it.
         """
-        if self.ranks:
-            top = max(o.state.step for o in self.ranks.values())
-            if not self._step_history or self._step_history[-1][1] != top:
-                self._step_history.append((now, top))
         if not os.path.exists(self.replay_request_file):
             return
         try:
@@ -420,8 +428,11 @@ class Coordinator:
                 self.events.write("agent_lost", node=node["name"])
 
     # ---- main loop ------------------------------------------------------------------------
-    def run(self, detect_every_s: float = 0.5) -> None:
+    def run(self, detect_every_s: float = 1.0, after_digest_s: float = 0.5) -> None:
+        """Detect once a second, and soon after a digest arrives (but not more often than every
+        `after_digest_s`): what a digest brings is acted on at once, whatever the phase of the two clocks."""
         next_detect = 0.0
+        last_detect = 0.0
         parent = os.getppid()
         while not self.stop:
             if os.getppid() != parent:
@@ -430,8 +441,11 @@ class Coordinator:
             now = time.monotonic()
             if got is not None:
                 self.handle(got[0], got[1], now)
+                if isinstance(got[1], NodeDigest):
+                    next_detect = min(next_detect, max(now + 0.02, last_detect + after_digest_s))
             if now >= next_detect:
                 self.detect(now)
+                last_detect = now
                 next_detect = now + detect_every_s
         self.finish()
 
