@@ -30,10 +30,17 @@ def record(seq: int, desc: str = "all_reduce Float[4]", op: str = "all_reduce", 
                             rolling_hash=rolling, wall_ns=0, step=0)
 
 
+def native(seq: int, desc: str = "") -> CollectiveRecord:
+    """A collective issued outside Python: a placeholder (desc "") or as the Flight Recorder described it."""
+    return CollectiveRecord(seq=seq, op="all_reduce" if desc else "", desc=desc,
+                            entry_hash=protocol.entry_hash((desc,)) if desc else 0, rolling_hash=0, wall_ns=0,
+                            step=0, native=True)
+
+
 def chain(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
     h = 0
     for r in records:
-        h = protocol.chain(h, r.entry_hash)
+        h = protocol.chain(h, protocol.NATIVE_HASH if r.native else r.entry_hash)
         r.rolling_hash = h
     return records
 
@@ -125,6 +132,40 @@ def test_desync_with_two_members_is_inconclusive():
 def test_agreeing_streams_give_nothing():
     ranks = {r: obs(r, [pg(45, _stream(False))]) for r in WORLD}
     assert DesyncDetector().update(ranks) == ([], [])
+
+
+def _mixed(rank: int, described: dict[int, str], odd_python: int | None = None):
+    """Streams of a Python all_reduce and a native (DDP-like) one in turn; `described`: rank -> the native
+    collective 45's description on that rank (others still hold a placeholder)."""
+    recs = []
+    for s in range(1, 45):
+        recs.append(record(s) if s % 2 else native(s, "all_reduce Float[68]" if rank != 3 else ""))
+    if odd_python == rank:
+        recs.append(record(45, "all_reduce Float[] op=SUM"))
+    else:
+        recs.append(native(45, described.get(rank, "")))
+    return recs
+
+
+def test_native_collectives_described_on_some_ranks_only_agree():
+    ranks = {r: obs(r, [pg(45, _mixed(r, {0: "all_reduce Float[68]", 2: "all_reduce Float[68]"}))]) for r in WORLD}
+    assert DesyncDetector().update(ranks) == ([], [])
+
+
+def test_native_collectives_described_differently_name_the_minority_of_those_described():
+    desc = {0: "all_reduce Float[68]", 1: "all_reduce Float[68]", 2: "all_reduce Float[72]"}
+    ranks = {r: obs(r, [pg(45, _mixed(r, desc))]) for r in WORLD}
+    (f,), fetches = DesyncDetector().update(ranks)
+    assert fetches == []
+    assert (f.kind, f.status, f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == \
+        ("desync", "attributed", [2], 45, "shape")
+
+
+def test_a_python_collective_where_peers_issued_a_native_one_is_named():
+    ranks = {r: obs(r, [pg(45, _mixed(r, {}, odd_python=1))]) for r in WORLD}
+    (f,), _ = DesyncDetector().update(ranks)
+    assert (f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == ([1], 45, "origin")
+    assert "outside Python" in f.summary
 
 
 def test_old_deviation_outside_the_window_is_pulled_then_named():

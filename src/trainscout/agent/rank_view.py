@@ -45,6 +45,8 @@ class PgTrack:
     Records can arrive out of order (the Python path records before the call, the Flight Recorder path
     a little later); a record waits in `pending` until every earlier one is in. A gap that never fills
     (the recorder overwrote entries) makes this rank's chain incomparable: `complete` turns False.
+    A native collective (issued outside Python) chains as NATIVE_HASH whether or not it is described yet;
+    its description arrives later, on its own (`describe`), and fills in the stored record.
     """
 
     def __init__(self, name: str) -> None:
@@ -72,10 +74,20 @@ class PgTrack:
             self.changed_ns = time.monotonic_ns()
         self._chain()
 
+    def describe(self, seq: int, op: str, desc: str, entry_hash: int) -> None:
+        """The Flight Recorder's description of native collective `seq`, placed earlier."""
+        rec = self.pending.get(seq)
+        if rec is None and self.records and self.records[0].seq <= seq <= self.records[-1].seq:
+            at = seq - self.records[0].seq  # chained records are consecutive unless a gap was given up on
+            rec = self.records[at] if self.records[at].seq == seq else next(
+                (r for r in reversed(self.records) if r.seq == seq), None)
+        if rec is not None and rec.native:
+            rec.op, rec.desc, rec.entry_hash = op, desc, entry_hash
+
     def _chain(self) -> None:
         while self.chained_seq + 1 in self.pending:
             rec = self.pending.pop(self.chained_seq + 1)
-            self.rolling = protocol.chain(self.rolling, rec.entry_hash)
+            self.rolling = protocol.chain(self.rolling, protocol.NATIVE_HASH if rec.native else rec.entry_hash)
             rec.rolling_hash = self.rolling
             self.chained_seq = rec.seq
             self.records.append(rec)
@@ -187,14 +199,20 @@ class RankView:
         track = self.pgs.get(name)
         if track is None:
             track = self.pgs[name] = PgTrack(name)
+        flags = rec.rolling_hash  # collectives use this slot for flags; the agent computes the rolling hash
+        if flags & protocol.DETAIL:
+            track.describe(rec.seq, rec.op.decode(errors="replace"), rec.desc.decode(errors="replace"),
+                           rec.entry_hash)
+            return
         track.add(CollectiveRecord(
             seq=rec.seq,
             op=rec.op.decode(errors="replace"),
             desc=rec.desc.decode(errors="replace"),
             entry_hash=rec.entry_hash,
-            rolling_hash=rec.rolling_hash,
+            rolling_hash=0,
             wall_ns=rec.wall_ns,
             step=rec.step,
+            native=bool(flags & protocol.NATIVE),
         ))
 
     def _ingest_step(self, rec) -> None:

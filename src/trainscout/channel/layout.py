@@ -59,7 +59,7 @@ RECORD_DTYPE = np.dtype(
         ("pg_index", "<i8"),
         ("seq", "<i8"),
         ("entry_hash", "<u8"),
-        ("rolling_hash", "<u8"),  # 0 here: the agent chains records in sequence order
+        ("rolling_hash", "<u8"),  # collectives: flags (protocol.NATIVE, DETAIL); the agent chains the hashes
         ("wall_ns", "<i8"),
         ("step", "<i8"),
         ("op", "S24"),

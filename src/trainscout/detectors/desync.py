@@ -4,6 +4,9 @@ Every member publishes, per group, a rolling hash chained over its collectives' 
 highest sequence number every member has passed, the rolling hashes must agree (C3 exact vote). When
 they do not, the first deviating collective is found from per-collective hashes: from the records in
 the digests when they cover it, otherwise from records pulled from the agents (`FetchRequest`).
+A collective issued outside Python (native: DDP's reducer, functional collectives) is chained by its
+place alone, since each rank describes it when its Flight Recorder is read; the descriptions are then
+compared among the members that have one.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_exact
 from trainscout.detectors.observations import RankObs, group_label, rank_list
 from trainscout.findings import DESYNC, Finding
+from trainscout.probe.protocol import NATIVE_HASH
 from trainscout.wire.messages import CollectiveRecord
 
 
@@ -99,26 +103,33 @@ def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRec
             if pulled or complete_only:
                 continue
             return None  # not every member's record of this seq is at hand: pull them
-        verdict = vote_exact({r: rec.entry_hash for r, rec in at.items()})
+        keys = {r: _chain_key(rec) for r, rec in at.items()}
+        verdict = vote_exact(keys)
         if verdict.status == "agree":
-            continue
+            described = {r: rec for r, rec in at.items() if rec.native and rec.entry_hash}
+            if len(described) < 2:
+                continue
+            at, keys = described, {r: rec.entry_hash for r, rec in described.items()}
+            verdict = vote_exact(keys)
+            if verdict.status == "agree":
+                continue
         groups: dict[int, list[int]] = {}
-        for r, rec in at.items():
-            groups.setdefault(rec.entry_hash, []).append(r)
-        evidence = {"issued": {at[rs[0]].desc: sorted(rs) for rs in groups.values()}, "pg": pg}
+        for r, key in keys.items():
+            groups.setdefault(key, []).append(r)
+        evidence = {"issued": {_text(at[rs[0]]): sorted(rs) for rs in groups.values()}, "pg": pg}
         if verdict.status == "attributed":
             culprits = list(verdict.outliers)
-            majority_desc = next(rec.desc for r, rec in at.items() if r not in culprits)
-            odd = "; ".join(f"{rank_list(rs)} issued {at[rs[0]].desc}" for h, rs in groups.items()
+            majority_desc = next(_text(rec) for r, rec in at.items() if r not in culprits)
+            odd = "; ".join(f"{rank_list(rs)} issued {_text(at[rs[0]])}" for h, rs in groups.items()
                             if h != verdict.majority_value)
             majority = groups[verdict.majority_value]
             summary = (f"at collective #{seq} of {group_label(pg, pg_desc)}: {odd} while "
                        f"{rank_list(majority)} issued {majority_desc}")
-            evidence["differs_in"] = _difference(at[culprits[0]].desc, majority_desc)
+            evidence["differs_in"] = _difference(at[culprits[0]], at[majority[0]])
             return Finding(kind=DESYNC, summary=summary, culprit_ranks=culprits, pg=pg, collective_seq=seq,
                            collective=at[culprits[0]].op, step=at[culprits[0]].step, evidence=evidence)
         summary = (f"at collective #{seq} of {group_label(pg, pg_desc)} members disagree ("
-                   + "; ".join(f"{rank_list(rs)}: {at[rs[0]].desc}" for rs in groups.values())
+                   + "; ".join(f"{rank_list(rs)}: {_text(at[rs[0]])}" for rs in groups.values())
                    + "); no strict majority, so no rank can be blamed")
         return Finding(kind=DESYNC, status="inconclusive", summary=summary, culprit_ranks=[], pg=pg,
                        collective_seq=seq, step=min(rec.step for rec in at.values()), confidence=0.5,
@@ -126,7 +137,21 @@ def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRec
     return None
 
 
-def _difference(odd: str, usual: str) -> str:
+def _chain_key(rec: CollectiveRecord) -> int:
+    """What the rolling hash chains for this record (see trainscout.probe.protocol.NATIVE_HASH)."""
+    return NATIVE_HASH if rec.native else rec.entry_hash
+
+
+def _text(rec: CollectiveRecord) -> str:
+    if rec.desc:
+        return rec.desc
+    return "a collective issued outside Python" if rec.native else rec.op
+
+
+def _difference(odd_rec: CollectiveRecord, usual_rec: CollectiveRecord) -> str:
+    if odd_rec.native != usual_rec.native:
+        return "origin"  # one side issued it from Python, the other from C++ (e.g. DDP's reducer)
+    odd, usual = odd_rec.desc, usual_rec.desc
     a, b = odd.split(), usual.split()
     if a[:1] != b[:1]:
         return "op"

@@ -54,6 +54,10 @@ class CollectiveTap:
         self.on_begin: Callable[[], object] | None = None
         self.on_end: Callable[[object], None] | None = None
         self.extras: "OrderedDict[tuple[str, int], str]" = OrderedDict()
+        # (group, seq) of Python calls not put on record before issue: the publisher takes their record from
+        # the Flight Recorder. A collective it counts that is neither there nor recorded was issued outside
+        # Python (DDP's reducer, functional collectives, compiled code).
+        self.noted: dict[tuple[str, int], None] = {}
         self._get_step = get_step
         self._injector = injector
         self._on_error = on_error
@@ -126,8 +130,9 @@ class CollectiveTap:
             if extra:
                 self._remember_extra(group.group_name, seq, extra)
             tensor_arg = _SYNC_RECORDED.get(name)
-            if tensor_arg and self.record_sync is not None and bound.get(tensor_arg) is not None:
-                self._record_now(name, group.group_name, seq, bound[tensor_arg], extra)
+            if not (tensor_arg and self.record_sync is not None and bound.get(tensor_arg) is not None
+                    and self._record_now(name, group.group_name, seq, bound[tensor_arg], extra)):
+                self._note_python(group.group_name, seq)
             return None if bound.get("async_op") else group.group_name
         except Exception as exc:  # fail open: lose the extra detail, keep training untouched
             self._broken = True
@@ -168,9 +173,11 @@ class CollectiveTap:
             seq = int(group._get_sequence_number_for_group()) + 1
             extra = f"op={str(bound['reduceOp']).upper()}"
             self._remember_extra(group.group_name, seq, extra)
-            if self.record_sync is not None:
-                self._record_now("all_reduce", group.group_name, seq, bound["self"], extra)
+            if self.record_sync is not None and self._record_now("all_reduce", group.group_name, seq, bound["self"],
+                                                                 extra):
                 self.functional_recorded += 1
+            else:
+                self._note_python(group.group_name, seq)
         except Exception as exc:  # fail open: the Flight Recorder still reports the call, later
             self._functional_broken = True
             self._on_error(f"functional collective tap disabled: {exc!r}")
@@ -181,20 +188,30 @@ class CollectiveTap:
         if len(self.extras) > _MAX_EXTRAS:
             self.extras.popitem(last=False)
 
-    def _record_now(self, op: str, pg_name: str, seq: int, tensor, extra: str) -> None:
+    def _note_python(self, pg_name: str, seq: int) -> None:
+        noted = self.noted
+        noted[(pg_name, seq)] = None
+        if len(noted) > _MAX_EXTRAS:  # the publisher takes them within a tick; this bounds a stopped one
+            try:
+                del noted[next(iter(noted))]
+            except (RuntimeError, KeyError, StopIteration):  # the publisher took some meanwhile
+                pass
+
+    def _record_now(self, op: str, pg_name: str, seq: int, tensor, extra: str) -> bool:
         # a training loop issues the same few collectives every step: describe each kind once
         key = (op, tuple(tensor.shape), tensor.dtype, extra)
         known = self._described.get(key)
         if known is None:
             dtype = _recorder_dtype(tensor)
             if dtype is None:
-                return  # the publisher will record it from the Flight Recorder
+                return False  # the publisher will record it from the Flight Recorder
             sizes = [list(tensor.shape)]
             known = (protocol.signature(op, sizes, [dtype], sizes, [dtype], extra),
                      protocol.describe(op, sizes, [dtype], extra))
             if len(self._described) < _MAX_DESCRIBED:
                 self._described[key] = known
         self.record_sync(pg_name, seq, op, known[0], known[1])
+        return True
 
     def _binder(self, fn: Callable) -> Callable:
         """fn's arguments by name, as a dict (what Signature.bind_partial gives, without defaults), at a

@@ -10,6 +10,10 @@ from __future__ import annotations
 import functools
 import hashlib
 
+# A collective record's flags (the ring's `rolling_hash` slot, which the agent fills in for itself):
+NATIVE = 1  # issued outside Python (DDP's C++ reducer, functional collectives, compiled code)
+DETAIL = 2  # the Flight Recorder's description of a NATIVE collective already placed in the ring
+
 _PER_RANK_INPUT = {"gather"}
 _PER_RANK_OUTPUT = {"scatter"}
 
@@ -40,6 +44,12 @@ def describe(op: str, in_sizes, in_dtypes, extra: str = "") -> str:
 @functools.lru_cache(maxsize=4096)  # the same few signatures recur every step
 def entry_hash(sig: tuple) -> int:
     return int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=8).digest(), "little")
+
+
+# What every member chains for a NATIVE collective, described or not: the probe describes those from
+# Flight Recorder reads that come at different moments on each rank, so only where they sit in the stream
+# is compared through the chain; their descriptions are compared record by record where members have them.
+NATIVE_HASH = int.from_bytes(hashlib.blake2b(b"native collective", digest_size=8).digest(), "little")
 
 
 def chain(previous: int, entry: int) -> int:

@@ -1,13 +1,20 @@
 """The probe's background thread: heartbeat, Flight Recorder polling, protocol records into the channel.
 
-It writes most header fields and appends the records of collectives the Flight Recorder reports. The
-Python collective wrappers append records too, synchronously and before the call, so a collective that
-hangs or aborts its process is already on record; a lock keeps the two appenders apart. Records may
-reach the ring out of sequence order: the agent orders and chains them. The publisher reads the Flight
-Recorder's cheap status every tick (a moved sequence number is progress) and dumps entries only when
-about half the buffer is new, when progress stopped with entries unread, or MAX_DUMP_GAP_S after the last
-dump. A failure disables the collective check (fail open) and is reported in the header;
-the heartbeat goes on, so the agent can still tell a live rank from a frozen one.
+It writes most header fields and puts every collective of the rank in the channel. The Python collective
+wrappers append records themselves, synchronously and before the call, so a collective that hangs or
+aborts its process is already on record; a lock keeps the two appenders apart. Every tick the publisher
+reads the Flight Recorder's cheap status (a moved sequence number is progress) and places each new
+sequence number: one the wrappers recorded needs nothing; one a wrapper saw but could not describe waits
+for the recorder's entry; any other was issued outside Python (DDP's C++ reducer, functional collectives,
+compiled code) and gets a NATIVE placeholder at once, so the agent's chain never waits for a dump.
+
+A full dump costs ~10 us per buffered entry with the GIL held (a 256-entry dump took 5-8 ms on 4 ranks
+sharing 2 cores), so entries are read only when needed: when progress stopped (a hang needs the latest
+collectives described), when a Python call waits for its entry (about half the buffer new, or
+MAX_DUMP_GAP_S), and every DESCRIBE_EVERY_S to describe the native collectives still in the buffer (DETAIL
+records: compared between members where each has them). Records may reach the ring out of sequence
+order: the agent orders and chains them. A failure disables the collective check (fail open) and is
+reported in the header; the heartbeat goes on, so the agent can still tell a live rank from a frozen one.
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ from trainscout.probe import protocol
 
 CHECK_COLLECTIVES = 1
 _KEEP_SYNCED = 4096
-MAX_DUMP_GAP_S = 2.0  # collectives issued from C++ (DDP's all-reduces) reach the agent at least this often: a
-# Python-recorded collective behind them is chained, and a desync that does not hang is seen, only then
+MAX_DUMP_GAP_S = 2.0  # a Python call the wrappers could not describe (all_gather, ...) is on record within this
+DESCRIBE_EVERY_S = 10.0  # native collectives are described at least this often (one dump; their place is known)
 
 
 class Publisher(threading.Thread):
@@ -52,9 +59,12 @@ class Publisher(threading.Thread):
         self._records_per_collective = 1.0  # p2p entries fill the buffer too; status counts collectives only
         self._last_dump_ns = 0
         self.dumps, self.dump_s = 0, 0.0  # Flight Recorder dumps and their cost (this thread, GIL held)
-        self._last_record_id = -1
         self._pg_index: dict[str, int] = {}
-        self._recorded: dict[str, int] = {}  # pg -> highest seq ingested from the Flight Recorder
+        self._last_record_id, self._fresh = -1, 0
+        self._pg_names: dict[str, str] = {}  # the recorder's group id (per process) -> group name
+        self._placed: dict[str, int] = {}  # pg -> every seq up to here is recorded, awaited or has a placeholder
+        self._awaiting: dict[str, set[int]] = {}  # pg -> Python calls whose record comes from the recorder
+        self._natives: dict[str, set[int]] = {}  # pg -> placeholders not described yet
         self._synced: "OrderedDict[tuple[str, int], int]" = OrderedDict()  # written by the wrappers
         self._pg_table_keys: frozenset = frozenset()
         self._roles: dict[str, dict] = {}  # pg name -> {"role", "framework"} declared by an integration
@@ -88,28 +98,84 @@ class Publisher(threading.Thread):
         if not (fr.available() and fr.dist_initialized()):
             return
         self.writer.set("fr_available", 1)
-        st = fr.status()
+        st = fr.status()  # keyed by the recorder's own group ids, which differ between ranks
         now = time.monotonic_ns()
         moved = st != self._last_status
-        if moved:  # a collective was issued since the last look: progress, whether or not it is ingested yet
+        if moved:  # a collective was issued since the last look: progress, whether or not it is described yet
             self._last_status = st
             with self.lock:
                 self.writer.set("progress_ns", now)
-        issued = sum(max(0, seq - self._dumped_status.get(pg, 0)) for pg, seq in st.items())
-        if not issued:
-            return
-        due = (force or not moved or now - self._last_dump_ns >= MAX_DUMP_GAP_S * 1e9
-               or issued * self._records_per_collective >= self.buffer_entries // 2)
-        if due:
-            self._dumped_status = st
-            self._last_dump_ns = now
+        since = now - self._last_dump_ns
+        entries = None
+        # a group new to the recorder is named by its entries, read when it is new or has issued since
+        if any(pg_id not in self._pg_names and last != self._dumped_status.get(pg_id)
+               for pg_id, last in st.items()) and (force or not self._pg_names or since >= MAX_DUMP_GAP_S * 1e9):
+            entries = self._dump(st, now)
+        self._place(st)
+        awaiting = sum(map(len, self._awaiting.values()))
+        undescribed = any(self._natives.values())
+        if entries is None and (awaiting or undescribed):
+            # every collective fills the recorder's buffer, whoever describes it (p2p entries too: per collective)
+            issued = sum(max(0, seq - self._dumped_status.get(pg, 0)) for pg, seq in st.items())
+            due = (force or not moved  # stopped: a hang is reported with its latest collectives described
+                   or awaiting and (since >= MAX_DUMP_GAP_S * 1e9
+                                    or issued * self._records_per_collective >= self.buffer_entries // 2)
+                   or undescribed and since >= DESCRIBE_EVERY_S * 1e9)
+            if due and (moved or force or st != self._dumped_status):  # a stopped rank is read once
+                entries = self._dump(st, now)
+                if self._fresh and issued:
+                    self._records_per_collective = max(1.0, self._fresh / issued)
+        if entries:
             t0 = time.perf_counter()
-            entries, _ = fr.entries()
-            fresh = self._ingest(entries)
-            if fresh:
-                self._records_per_collective = max(1.0, fresh / issued)
-            self.dumps += 1
+            self._ingest(entries)
             self.dump_s += time.perf_counter() - t0
+
+    def _dump(self, status: dict[str, int], now: int) -> list[dict]:
+        """The recorder's buffered entries (oldest first); learns each group id's name from them."""
+        t0 = time.perf_counter()
+        self._dumped_status = status
+        self._last_dump_ns = now
+        entries, _ = fr.entries()
+        last_id = self._last_record_id
+        self._fresh = sum(1 for e in entries if e.get("record_id", -1) > last_id)  # entries since the last read
+        if entries:
+            self._last_record_id = entries[-1].get("record_id", last_id)
+        for e in entries:
+            if "pg_id" in e:
+                self._pg_names.setdefault(str(e["pg_id"]), str(e["process_group"][0]))
+        self.dumps += 1
+        self.dump_s += time.perf_counter() - t0
+        return entries
+
+    def _place(self, status: dict[str, int]) -> None:
+        """Give every collective the recorder counted a place in the ring (see the module docstring)."""
+        synced, noted = self._synced, (self.tap.noted if self.tap is not None else {})
+        step = None
+        for pg_id, last in status.items():
+            pg_name = self._pg_names.get(pg_id)
+            if pg_name is None:
+                continue  # named by its first dump
+            placed = self._placed.get(pg_name, 0)
+            if last <= placed:
+                continue
+            for seq in range(placed + 1, last + 1):
+                key = (pg_name, seq)
+                if key in synced:
+                    continue
+                if key in noted:
+                    noted.pop(key, None)
+                    self._awaiting.setdefault(pg_name, set()).add(seq)
+                    continue
+                if step is None:
+                    step = self.get_step()
+                self._natives.setdefault(pg_name, set()).add(seq)
+                with self.lock:
+                    self.writer.append(self._index_of(pg_name), seq, 0, protocol.NATIVE, time.time_ns(), step,
+                                       "", "")
+                    self._collectives += 1
+            self._placed[pg_name] = last
+            with self.lock:
+                self.writer.set("collectives", self._collectives)
 
     def record_sync(self, pg_name: str, seq: int, op: str, sig: tuple, desc: str) -> None:
         """Called by the Python wrapper before it issues the collective (training thread)."""
@@ -145,31 +211,30 @@ class Publisher(threading.Thread):
             self._write_pg_table()
         return idx
 
-    def _ingest(self, entries: list[dict]) -> int:
-        """Append the entries not seen before; returns how many were new."""
+    def _ingest(self, entries: list[dict]) -> None:
+        """Records from a dump's entries: awaited Python calls, DETAILs of native collectives not described
+        yet, checks of the Python path's own records. Entries read before are passed over by those tests."""
         keys = frozenset(self._last_status)
         if keys != self._pg_table_keys:
             self._pg_table_keys = keys
             with self.lock:
                 self._write_pg_table()
         w = self.writer
-        new = [e for e in entries if e.get("record_id", -1) > self._last_record_id]
-        if not new:
-            return 0
-        first_id = new[0]["record_id"]
-        if self._last_record_id >= 0 and first_id > self._last_record_id + 1:
-            w.set("dropped", int(w.header["dropped"]) + first_id - self._last_record_id - 1)
-        self._last_record_id = new[-1]["record_id"]
+        oldest: dict[str, int] = {}  # pg -> its oldest seq still in the recorder's buffer
         step = self.get_step()
         appended = 0
-        for e in new:
+        for e in entries:
             if e.get("is_p2p"):
                 continue  # point-to-point pairs are not equal across group members
             pg_name = str(e["process_group"][0])
             seq = int(e["collective_seq_id"])
-            if seq <= self._recorded.get(pg_name, 0):
-                continue
-            self._recorded[pg_name] = seq
+            oldest.setdefault(pg_name, seq)
+            if seq > self._placed.get(pg_name, 0):
+                continue  # issued after the status read: placed at the next tick, described at a later dump
+            awaiting, natives = self._awaiting.get(pg_name), self._natives.get(pg_name)
+            waited = awaiting is not None and seq in awaiting
+            if not (waited or natives is not None and seq in natives or (pg_name, seq) in self._synced):
+                continue  # read before
             op = protocol.op_name(e["profiling_name"])
             extra = self.tap.pop_extra(pg_name, seq) if self.tap is not None else ""
             sig = protocol.signature(op, e["input_sizes"], e["input_dtypes"], e["output_sizes"],
@@ -182,16 +247,27 @@ class Publisher(threading.Thread):
                         self._mismatch += 1
                         w.set("sig_mismatch", self._mismatch)
                     continue
-                idx = self._index_of(pg_name)
                 desc = protocol.describe(op, e["input_sizes"], e["input_dtypes"], extra)
-                w.append(idx, seq, h, 0, int(e.get("time_created_ns") or 0), step, op, desc)
-                self._collectives += 1
+                if waited:
+                    awaiting.discard(seq)
+                    flags = 0
+                else:
+                    natives.discard(seq)
+                    flags = protocol.NATIVE | protocol.DETAIL
+                w.append(self._index_of(pg_name), seq, h, flags, int(e.get("time_created_ns") or 0), step, op, desc)
                 appended += 1
+        lost = 0
+        for pg_name, seqs in self._awaiting.items():  # overwritten in the recorder before this dump
+            gone = {s for s in seqs if s < oldest.get(pg_name, 0)}
+            lost += len(gone)
+            seqs -= gone
+        for pg_name, seqs in self._natives.items():  # placed, never to be described: nothing is lost
+            seqs -= {s for s in seqs if s < oldest.get(pg_name, 0)}
+        if lost:
+            w.set("dropped", int(w.header["dropped"]) + lost)
         if appended:
             with self.lock:
-                w.set("collectives", self._collectives)
                 w.set("progress_ns", time.monotonic_ns())
-        return len(new)
 
     def _write_pg_table(self) -> None:
         # The Flight Recorder's own pg_config is not reliable on every backend; torch's Python-side

@@ -20,7 +20,10 @@ class CollectiveRecord(msgspec.Struct, array_like=True):
     entry_hash: int  # 64-bit hash of this collective's protocol signature
     rolling_hash: int  # 64-bit hash chained over every collective of this group up to seq
     wall_ns: int  # wall-clock time the rank issued it (only compared within one host)
-    step: int  # optimizer steps completed when it was issued
+    step: int  # optimizer steps completed when it was issued (when placed, for a native one: a tick later)
+    # issued outside Python (DDP's reducer, functional collectives, compiled code): chained as NATIVE_HASH;
+    # op, desc and entry_hash are empty (0) until the Flight Recorder described it on that rank
+    native: bool = False
 
 
 class PgState(msgspec.Struct, array_like=True):
