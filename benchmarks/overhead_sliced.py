@@ -11,16 +11,17 @@ and alternates. Neighbouring slices see the same machine seconds apart, so the h
 Per slice: the median wall time of the steps that began and ended inside it (rank 0's timing file gives each
 step's end on the monotonic clock), its first --settle steps dropped (caches are cold after the other job
 ran), and the CPU seconds of the running tree per step in it (psutil, read while both trees are frozen).
-Each B slice is compared with the mean of the A slices before and after it (a linear drift cancels); the
-headline is the median of those ratios with a 95 % block-bootstrap interval (neighbouring ratios share an A
-slice, so blocks of consecutive ratios are resampled). The bar (<= 1 %) is met only when the whole interval
-is under it. `--a` / `--b` pick each side (`base` or `trainscout`) so an A/A run (`--b base`) shows the
+Each B slice is compared with the mean of the A slices before and after it (a linear drift cancels), and a
+pair of jobs gives the median of those ratios. Two jobs of the same code also differ for as long as they
+live (4 ranks on 2 cores settle into a schedule of their own), so --pairs runs fresh pairs of jobs one after
+the other: the headline is the median of the pairs' ratios with a 95 % bootstrap interval over pairs, and
+the bar (<= 1 %) is met only when the whole interval is under it. `--a` / `--b` pick each side (`base` or `trainscout`) so an A/A run (`--b base`) shows the
 harness's own bias and noise; `--a-env` / `--b-env` K=V change one side's settings.
 
 Slices are kept shorter than the coordinator's agent-silence limit (2 s): a frozen tree is frozen whole,
 so trainscout sees a job-wide pause, which it must not report (the run's findings are listed).
 
-    .venv/bin/python benchmarks/overhead_sliced.py --seconds 300
+    .venv/bin/python benchmarks/overhead_sliced.py --pairs 6 --seconds 120
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, REPO, append_results, begin, command_line, fmt, free_port, markdown_table,  # noqa: E402
-                     median, percentile, read_jsonl, text_table, uptime)
+from _common import (PYTHON, REPO, append_results, begin, bootstrap_median_ci, command_line, fmt,  # noqa: E402
+                     free_port, markdown_table, median, read_jsonl, uptime)
 
 BAR = 1.01
 
@@ -197,9 +198,70 @@ def block_bootstrap_median_ci(values: list[float], block: int = 5, rounds: int =
     return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
 
 
+def run_pair(index: int, args: argparse.Namespace, out: Path, a_env: dict, b_env: dict) -> dict:
+    """One pair of fresh jobs, sliced for --seconds: per-slice statistics and the pair's ratios."""
+    a = Job(f"a{index:02d}", args.a, out, args, a_env)
+    b = Job(f"b{index:02d}", args.b, out, args, b_env)
+    started = time.monotonic()
+    while min(a.logged_step(), b.logged_step()) < args.warmup:
+        if not (a.alive() and b.alive()) or time.monotonic() - started > 300:
+            break
+        time.sleep(0.2)
+    slices: list[tuple[Job, float, float, dict]] = []  # (side, start, end, CPU seconds by role)
+    if a.alive() and b.alive():
+        b.freeze()
+        a.freeze()
+        deadline = time.monotonic() + args.seconds
+        turn = a
+        while time.monotonic() < deadline and a.alive() and b.alive():
+            cpu0 = turn.cpu_by_role()
+            t0 = time.monotonic()
+            turn.thaw()
+            time.sleep(args.slice)
+            turn.freeze()
+            t1 = time.monotonic()
+            cpu1 = turn.cpu_by_role()
+            slices.append((turn, t0, t1, {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}))
+            turn = b if turn is a else a
+        a.thaw()
+        b.thaw()
+    for job in (a, b):
+        job.stop_file.touch()
+    codes = {"a": a.wait(600), "b": b.wait(600)}
+    steps = {id(a): a.steps(), id(b): b.steps()}
+    per = {"a": [], "b": []}  # (median s, CPU s per step) per slice of each side, in order
+    roles: dict[str, dict[str, float]] = {"a": {}, "b": {}}  # CPU seconds by role over a side's slices
+    ended_in = {"a": 0, "b": 0}
+    inside = {"a": [], "b": []}
+    for job, t0, t1, cpu in slices:
+        side = "a" if job is a else "b"
+        med, ended = slice_stats(steps[id(job)], t0, t1, args.settle)
+        per[side].append((med, sum(cpu.values()) / ended if ended else None))
+        ended_in[side] += ended
+        inside[side] += [e - st for st, e in steps[id(job)] if st >= t0 and e <= t1]
+        for role, sec in cpu.items():
+            roles[side][role] = roles[side].get(role, 0.0) + sec
+    # the pairing assumes A came first and sides alternated; an unfinished last A leaves B's last slice out
+    ratios = neighbour_ratios([m for m, _ in per["a"]], [m for m, _ in per["b"]])
+    cpu_ratios = neighbour_ratios([c for _, c in per["a"]], [c for _, c in per["b"]])
+    findings = [(f.get("kind"), f.get("culprit_ranks")) for j in (a, b) if j.side == "trainscout"
+                for f in read_jsonl(j.run_dir / "findings.jsonl")]
+    with (out / "slices.jsonl").open("a") as fh:
+        for job, t0, t1, cpu in slices:
+            fh.write(json.dumps({"pair": index, "side": job.label, "t0": t0, "t1": t1, "cpu_s_by_role": cpu}) + "\n")
+    return {"index": index, "codes": codes, "findings": findings, "slices": len(slices),
+            "ratio": median(ratios) if ratios else None, "cpu_ratio": median(cpu_ratios) if cpu_ratios else None,
+            "slice_ratios": ratios, "median_ms": {k: 1000 * median(v) if v else None for k, v in inside.items()},
+            "steps": {k: len(v) for k, v in inside.items()},
+            "cpu_ms_by_role": {k: {r: 1000 * sec / ended_in[k] for r, sec in roles[k].items()} if ended_in[k] else {}
+                               for k in ("a", "b")}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=300.0, help="sliced time in all (both sides together)")
+    parser.add_argument("--pairs", type=int, default=6, help="pairs of fresh jobs, one after the other (default 6)")
+    parser.add_argument("--seconds", type=float, default=120.0,
+                        help="sliced time per pair (both sides together; default 120)")
     parser.add_argument("--slice", type=float, default=1.0, help="seconds one side runs before the other does")
     parser.add_argument("--settle", type=int, default=2, help="steps dropped at the start of each slice")
     parser.add_argument("--steps", type=int, default=100_000,
@@ -216,108 +278,58 @@ def main() -> int:
     args = parser.parse_args()
     if not 0.2 <= args.slice <= 1.5:
         raise SystemExit("--slice must be 0.2-1.5 s: longer freezes read as a lost agent to the coordinator")
+    if args.pairs < 1:
+        raise SystemExit("--pairs must be at least 1")
     out, info, up_before = begin("overhead-sliced", args.out_dir)
     a_env, b_env = parse_env(args.a_env), parse_env(args.b_env)
-
-    a = Job("a", args.a, out, args, a_env)
-    b = Job("b", args.b, out, args, b_env)
-    started = time.monotonic()
-    while min(a.logged_step(), b.logged_step()) < args.warmup:
-        if not (a.alive() and b.alive()) or time.monotonic() - started > 300:
-            break
-        time.sleep(0.2)
-
-    slices: list[tuple[str, float, float, dict]] = []  # (side label, start, end, CPU seconds by role)
-    if a.alive() and b.alive():
-        b.freeze()
-        a.freeze()
-        deadline = time.monotonic() + args.seconds
-        turn = a
-        while time.monotonic() < deadline and a.alive() and b.alive():
-            cpu0 = turn.cpu_by_role()
-            t0 = time.monotonic()
-            turn.thaw()
-            time.sleep(args.slice)
-            turn.freeze()
-            t1 = time.monotonic()
-            cpu1 = turn.cpu_by_role()
-            slices.append((turn.label, t0, t1, {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}))
-            turn = b if turn is a else a
-        a.thaw()
-        b.thaw()
-    for job in (a, b):
-        job.stop_file.touch()
-    codes = {"a": a.wait(600), "b": b.wait(600)}
+    pairs = []
+    for i in range(args.pairs):
+        row = run_pair(i, args, out, a_env, b_env)
+        pairs.append(row)
+        with (out / "pairs.jsonl").open("a") as fh:
+            fh.write(json.dumps({k: v for k, v in row.items() if k != "slice_ratios"}) + "\n")
+        print(f"pair {i}: step-time ratio {fmt(row['ratio'], 4)}, CPU ratio {fmt(row['cpu_ratio'], 4)} over "
+              f"{row['slices']} slices; exits {row['codes']}" + (f"; findings {row['findings']}" if row["findings"] else ""),
+              flush=True)
     up_after = uptime()
 
-    a_steps, b_steps = a.steps(), b.steps()
-    per = {"a": [], "b": []}  # (median s, CPU s per step) per slice of each side, in order
-    roles: dict[str, dict[str, float]] = {"a": {}, "b": {}}  # CPU seconds by role over all of a side's slices
-    ended_in = {"a": 0, "b": 0}
-    for label, t0, t1, cpu in slices:
-        med, ended = slice_stats(a_steps if label == "a" else b_steps, t0, t1, args.settle)
-        per[label].append((med, sum(cpu.values()) / ended if ended else None))
-        ended_in[label] += ended
-        for role, sec in cpu.items():
-            roles[label][role] = roles[label].get(role, 0.0) + sec
-    # the pairing assumes A came first and sides alternated; an unfinished last A leaves B's last slice out
-    ratios = neighbour_ratios([m for m, _ in per["a"]], [m for m, _ in per["b"]])
-    cpu_ratios = neighbour_ratios([c for _, c in per["a"]], [c for _, c in per["b"]])
-    lo, hi = block_bootstrap_median_ci(ratios)
-    clo, chi = block_bootstrap_median_ci(cpu_ratios)
-    in_slices = {"a": [], "b": []}
-    for label, t0, t1, _ in slices:
-        steps = a_steps if label == "a" else b_steps
-        in_slices[label] += [e - s for s, e in steps if s >= t0 and e <= t1]
-    pa, pb = in_slices["a"], in_slices["b"]
-
-    findings = {j.label: [(f.get("kind"), f.get("culprit_ranks")) for f in read_jsonl(j.run_dir / "findings.jsonl")]
-                for j in (a, b) if j.side == "trainscout"}
+    ratios = [p["ratio"] for p in pairs if p["ratio"]]
+    cpu_ratios = [p["cpu_ratio"] for p in pairs if p["cpu_ratio"]]
+    lo, hi = bootstrap_median_ci(ratios)
+    clo, chi = bootstrap_median_ci(cpu_ratios)
+    pooled = [r for p in pairs for r in p["slice_ratios"]]
+    plo, phi = block_bootstrap_median_ci(pooled)
     name = {"a": f"A ({args.a}{' ' + str(a_env) if a_env else ''})",
             "b": f"B ({args.b}{' ' + str(b_env) if b_env else ''})"}
-    header = ["statistic", "A", "B", "B/A"]
-    rows = [
-        ["slices", str(len(per["a"])), str(len(per["b"])), ""],
-        ["steps inside slices", str(len(pa)), str(len(pb)), ""],
-        ["pooled median step (ms)", fmt(1000 * median(pa), 3), fmt(1000 * median(pb), 3),
-         fmt(median(pb) / median(pa), 4) if pa and pb else "-"],
-        ["pooled p95 step (ms)", fmt(1000 * percentile(pa, 95), 3), fmt(1000 * percentile(pb, 95), 3),
-         fmt(percentile(pb, 95) / percentile(pa, 95), 4) if pa and pb else "-"],
-        ["CPU ms per step (median of slices)",
-         fmt(1000 * median([c for _, c in per["a"] if c]), 2), fmt(1000 * median([c for _, c in per["b"] if c]), 2),
-         ""],
-        ["median of slice ratios (step time)", "", "", fmt(median(ratios), 4) if ratios else "-"],
-        ["95 % block-bootstrap interval", "", "", f"{fmt(lo, 4)} - {fmt(hi, 4)}"],
-        ["median of slice ratios (CPU per step)", "", "", fmt(median(cpu_ratios), 4) if cpu_ratios else "-"],
-        ["95 % block-bootstrap interval (CPU)", "", "", f"{fmt(clo, 4)} - {fmt(chi, 4)}"],
-    ]
-    for role in sorted(set(roles["a"]) | set(roles["b"])):
-        ms = [1000 * roles[k].get(role, 0.0) / ended_in[k] if ended_in[k] else 0.0 for k in ("a", "b")]
-        rows.append([f"CPU ms per step: {role}", fmt(ms[0], 3), fmt(ms[1], 3), ""])
-    print()
-    print(text_table(header, rows))
+    per_pair = markdown_table(
+        ["pair", "A median step ms", "B median step ms", "step-time ratio (median of slices)", "CPU ratio",
+         "slices", "A CPU ms/step by process", "B CPU ms/step by process"],
+        [[str(p["index"]), fmt(p["median_ms"]["a"], 3), fmt(p["median_ms"]["b"], 3), fmt(p["ratio"], 4),
+          fmt(p["cpu_ratio"], 4), str(p["slices"]),
+          ", ".join(f"{r} {v:.2f}" for r, v in sorted(p["cpu_ms_by_role"]["a"].items())),
+          ", ".join(f"{r} {v:.2f}" for r, v in sorted(p["cpu_ms_by_role"]["b"].items()))] for p in pairs])
     verdict = ("within" if hi <= BAR else "OVER" if lo > BAR else "not shown within") if ratios else "-"
-    headline = (f"{100 * (median(ratios) - 1):+.2f} % (95 % interval {100 * (lo - 1):+.2f} to "
+    headline = (f"{100 * (median(ratios) - 1):+.2f} % (95 % interval over pairs {100 * (lo - 1):+.2f} to "
                 f"{100 * (hi - 1):+.2f} %), {verdict} the 1 % bar") if ratios else "no ratios"
-    cpu_line = (f"{100 * (median(cpu_ratios) - 1):+.2f} % (95 % interval {100 * (clo - 1):+.2f} to "
+    cpu_line = (f"{100 * (median(cpu_ratios) - 1):+.2f} % (95 % interval over pairs {100 * (clo - 1):+.2f} to "
                 f"{100 * (chi - 1):+.2f} %)") if cpu_ratios else "not measured"
-    print(f"B vs A, median step time: {headline}\nB vs A, CPU per step: {cpu_line}\nexit codes {codes}; "
-          f"findings {findings}\nuptime after: {up_after}")
-    with (out / "slices.jsonl").open("w") as fh:
-        for label, t0, t1, cpu in slices:
-            fh.write(json.dumps({"side": label, "t0": t0, "t1": t1, "cpu_s_by_role": cpu}) + "\n")
-
-    failed = [k for k, c in codes.items() if c != 0]
-    body = [f"- sides: {name['a']} vs {name['b']}; {args.nproc} ranks; slices of {args.slice:g} s alternating for "
-            f"{args.seconds:g} s after both jobs logged step {args.warmup}; first {args.settle} steps of a slice "
-            f"dropped; step time from rank 0; run dirs under `<out-dir>`",
+    pooled_line = (f"{100 * (median(pooled) - 1):+.2f} % (block bootstrap {100 * (plo - 1):+.2f} to "
+                   f"{100 * (phi - 1):+.2f} %, {len(pooled)} slice ratios)") if pooled else "-"
+    print(f"\n{per_pair}\n\nB vs A, median step time: {headline}\nB vs A, CPU per step: {cpu_line}\n"
+          f"all slices pooled: {pooled_line}\nuptime after: {up_after}")
+    failed = [(p["index"], p["codes"]) for p in pairs if any(c != 0 for c in p["codes"].values())]
+    findings = [(p["index"], p["findings"]) for p in pairs if p["findings"]]
+    body = [f"- sides: {name['a']} vs {name['b']}; {args.nproc} ranks; {args.pairs} pairs of fresh jobs, each "
+            f"sliced {args.seconds:g} s in {args.slice:g} s slices after both logged step {args.warmup}; first "
+            f"{args.settle} steps of a slice dropped; step time from rank 0; run dirs under `<out-dir>`",
             f"- uptime before `{up_before}`; after `{up_after}`",
             f"- **B vs A, median step time: {headline}**",
-            f"- B vs A, CPU per step (whole tree, per slice): {cpu_line}",
-            "", markdown_table(header, rows), "",
-            f"- exit codes: {codes}; findings on the trainscout side(s): {findings or 'none'}"]
+            f"- B vs A, CPU per step (whole process tree): {cpu_line}",
+            f"- all slices of all pairs pooled (ignores the pairs' own offsets): {pooled_line}",
+            "", per_pair, "",
+            f"- findings on the trainscout side(s): {findings or 'none'}"]
     if failed:
-        body.append(f"- **sides that failed: {failed}**")
+        body.append(f"- **pairs with a failed job: {failed}**")
     if not args.no_record:
         title = "Healthy-path overhead, time-sliced (benchmarks/overhead_sliced.py)" + \
             (f": {args.label}" if args.label else "")

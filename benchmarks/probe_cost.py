@@ -91,7 +91,9 @@ def set_probe(on: bool, found, hook_tables, saved: list, parts=PARTS) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=20, help="blocks per side, alternating (default 20)")
+    parser.add_argument("--blocks", type=int, default=20,
+                        help="rounds; each runs a block with the probe off, on, and (--parts) each part alone, "
+                             "in random order (default 20)")
     parser.add_argument("--block-steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--parts", action="store_true",
@@ -141,24 +143,20 @@ def main() -> int:
     saved: list = []
     rng = random.Random(0)
 
-    def ab(parts) -> tuple[list[float], list[float]]:
-        """Per block pair: (CPU a step with `parts` on) - (all off); and the off medians."""
-        pairs, offs = [], []
-        for _ in range(args.blocks):
-            got = {}
-            for on in ([True, False] if rng.random() < 0.5 else [False, True]):
-                set_probe(on, found, hook_tables, saved, parts)
-                times = [step() for _ in range(args.block_steps)]
-                got[on] = median(times[2:])
-            pairs.append(got[True] - got[False])
-            offs.append(got[False])
-        set_probe(True, found, hook_tables, saved)
-        return pairs, offs
-
-    results = {"all": ab(PARTS)}
-    if args.parts:
-        for part in PARTS:
-            results[part] = ab((part,))
+    configs = {"all": PARTS, **({part: (part,) for part in PARTS} if args.parts else {})}
+    results = {name: ([], []) for name in configs}  # name -> (per round: on - off, off)
+    for _ in range(args.blocks):  # a round: every configuration and all-off, in random order
+        order = ["off", *configs]
+        rng.shuffle(order)
+        got = {}
+        for name in order:
+            set_probe(name != "off", found, hook_tables, saved, configs.get(name, ()))
+            times = [step() for _ in range(args.block_steps)]
+            got[name] = median(times[2:])
+        for name in configs:
+            results[name][0].append(got[name] - got["off"])
+            results[name][1].append(got["off"])
+    set_probe(True, found, hook_tables, saved)
     up_after = time.strftime("%H:%M:%S")
     costs = probe.costs()
     dist.destroy_process_group()
@@ -172,7 +170,7 @@ def main() -> int:
         boot = sorted(median(rng.choices(diffs, k=len(diffs))) for _ in range(4000))
         lo, hi = boot[100], boot[3899]
         label = "the probe's cost a step" if what == "all" else f"{what} patches alone"
-        rows.append([label + " (median of block pairs)", fmt(median(diffs), 1), "us",
+        rows.append([label + " (median over rounds of on - off)", fmt(median(diffs), 1), "us",
                      f"{100 * median(diffs) / off_us:+.2f} % of {off_us:.0f} us (95 %: {lo:+.1f} to {hi:+.1f} us)"])
     for name, sec in (("non-finite check", costs.get("nonfinite", {}).get("seconds")),
                       ("state check", costs.get("state_check", {}).get("seconds")),
@@ -182,8 +180,8 @@ def main() -> int:
     table = markdown_table(["what", "value", "unit", "note"], rows)
     print(table)
     if not args.no_record:
-        body = (f"- 1 rank (gloo, world size 1), demo model, {args.blocks} blocks of {args.block_steps} steps per "
-                f"side in random order, first 2 steps of a block dropped; uptime before `{up_before}`, done "
+        body = (f"- 1 rank (gloo, world size 1), demo model, {args.blocks} rounds of {args.block_steps}-step blocks "
+                f"per configuration in random order, first 2 steps of a block dropped; uptime before `{up_before}`, done "
                 f"{up_after}\n\n{table}\n")
         title = "Probe cost on the training thread, in-process A/B (benchmarks/probe_cost.py)" + \
             (f": {args.label}" if args.label else "")
