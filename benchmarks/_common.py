@@ -104,6 +104,17 @@ def command_line() -> str:
     return " ".join([".venv/bin/python", shlex.quote(script), *map(shlex.quote, sys.argv[1:])])
 
 
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """--...-env K=V options (repeatable) as an environment dict."""
+    env = {}
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected K=V, got {item!r}")
+        env[key] = value
+    return env
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), without importing numpy for a handful of values."""
     if not values:

@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (PYTHON, CpuSampler, append_results, bootstrap_median_ci, command_line, date_utc,  # noqa: E402
-                     default_out_dir, fmt, free_port, launch, load1, machine, markdown_table, median, percentile,
-                     read_jsonl, text_table, uptime)
+                     default_out_dir, fmt, free_port, launch, load1, machine, markdown_table, median, parse_env,
+                     percentile, read_jsonl, text_table, uptime)
 
 BAR = 1.01
 
@@ -45,16 +45,6 @@ def wait_for_quiet(threshold: float, max_wait_s: float, poll_s: float = 15.0) ->
             return load, waited, False
         print(f"waiting for 1-min load < {threshold:g}: now {load:.2f} ({waited:.0f} s waited)", flush=True)
         time.sleep(poll_s)
-
-
-def parse_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for item in pairs:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"expected K=V, got {item!r}")
-        env[key] = value
-    return env
 
 
 def one_run(side: str, index: int, args: argparse.Namespace, out: Path, env: dict[str, str]) -> dict:

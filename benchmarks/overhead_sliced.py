@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (PYTHON, REPO, append_results, begin, bootstrap_median_ci, command_line, fmt,  # noqa: E402
-                     free_port, markdown_table, median, read_jsonl, uptime)
+                     free_port, markdown_table, median, parse_env, read_jsonl, uptime)
 
 BAR = 1.01
 
@@ -148,16 +148,6 @@ def _role(cmdline: list[str]) -> str:
         return "supervisor"
     return {"trainscout.demo.train": "ranks", "trainscout.agent": "agent", "trainscout.coordinator": "coordinator",
             "torch.distributed.run": "torchrun"}.get(module, "other")
-
-
-def parse_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for item in pairs:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"expected K=V, got {item!r}")
-        env[key] = value
-    return env
 
 
 def slice_stats(steps: list[tuple[float, float]], t0: float, t1: float, settle: int) -> tuple[float | None, int]:
