@@ -131,7 +131,7 @@ def main() -> int:
     body = [f"- uptime before `{up_before}`; after `{up_after}`; 1-min load at run starts "
             f"{min(r['load'] for r in rows):.2f}-{max(r['load'] for r in rows):.2f}",
             f"- {args.rounds} rounds x {len(configs)} configurations, interleaved; {args.nproc} ranks, {args.steps} "
-            f"steps, first {args.warmup} ignored; step time from rank 0; run dirs under `{out}`",
+            f"steps, first {args.warmup} ignored; step time from rank 0; run dirs under `<out-dir>`",
             "- in-rank accounting: seconds each rank's probe spent in the check on the training thread "
             "(`probe-cost.rank*.json`), median over ranks and runs",
             "", markdown_table(header, table), "", "Median step ms per run:", "", per_round, ""]

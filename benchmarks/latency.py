@@ -123,7 +123,7 @@ def main() -> int:
     body = [f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
             f"{fmt(median(loads))}, max {fmt(max(loads))}",
             f"- runs: {args.runs} per fault, round-robin; demo defaults (hang timeout 5 s); fault on rank {RANK} "
-            f"at step {STEP}, --steps {args.steps}; run dirs under `{out}`",
+            f"at step {STEP}, --steps {args.steps}; run dirs under `<out-dir>`",
             "- latency = first finding's `confirmed` − the fault's `t` in TRAINSCOUT_FAULT_LOG (seconds); "
             f"bar <= {BAR_S:g} s",
             "", markdown_table(header, table), ""]
