@@ -271,7 +271,7 @@ def test_nan_in_a_gradient_names_its_rank_before_the_reduction(tmp_path):
                               train_args=("--steps", "30"))
 
     assert "trainscout-fault: rank 1: nan: NaN in the next gradient of tokens.weight after step 10" in result.output
-    _assert_nonfinite_origin(result, rank=1, step=11, what="grad")
+    _assert_nonfinite_origin(result, rank=1, step=11, what="grad tokens.weight")
 
 
 # ---- 4. replay names a device that computes wrong --------------------------------------------------

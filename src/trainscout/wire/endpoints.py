@@ -10,6 +10,7 @@ Like any zmq socket, each endpoint belongs to one thread.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -33,7 +34,8 @@ def _deadline(timeout_ms: int) -> float | None:
 def _remaining_ms(deadline: float | None) -> int:
     if deadline is None:
         return -1  # zmq: wait indefinitely
-    return max(0, int((deadline - time.monotonic()) * 1000))
+    # rounded up: a wait truncated to 0 ms returns at once, and a caller that loops until its deadline spins
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
 class CoordinatorEndpoint:
