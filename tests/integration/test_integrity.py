@@ -5,9 +5,10 @@ changes training; checkpoints carry a certificate that `trainscout checkpoints` 
 Every job is the unmodified demo script under `trainscout run`, with faults injected through `--inject`
 and the checks' schedules set through the job's environment (see probe/probe.py):
 TRAINSCOUT_STATE_PERIOD (steps per replicated-state rotation), TRAINSCOUT_REPLAY_EVERY (steps between
-replays, 0 = off). Jobs are few and shared between tests (module fixtures) because each costs half a
-minute on the small CI machine; a job that carries several faults puts them on different ranks, and
-every check asserts which rank, tensor or layer was named, so the faults cannot stand in for each other.
+replays, 0 = off), TRAINSCOUT_NONFINITE_BUDGET=1 (CPU gradients tested every step). Jobs are few and shared
+between tests (module fixtures) because each costs half a minute on the small CI machine; a job that carries
+several faults puts them on different ranks, and every check asserts which rank, tensor or layer was named,
+so the faults cannot stand in for each other.
 
 Rotation facts the window assertions rely on (demo model, AdamW): the state is fingerprinted after the
 optimizer step and before an injected fault fires in the same hook, so a corruption after step S is first
@@ -41,7 +42,7 @@ REPLAY_LAYERS = ("tokens", "blocks.0", "blocks.1", "norm", "head")  # the demo m
 def _knobs(*, state_period: int = 16, replay_every: int = 0) -> dict[str, str]:
     """The integrity checks' environment, every knob set so an outer environment cannot leak in."""
     return {"TRAINSCOUT_STATE_CHECK": "1", "TRAINSCOUT_STATE_PERIOD": str(state_period),
-            "TRAINSCOUT_REPLAY_EVERY": str(replay_every)}
+            "TRAINSCOUT_REPLAY_EVERY": str(replay_every), "TRAINSCOUT_NONFINITE_BUDGET": "1"}
 
 
 def _run_demo_script(tmp_path: Path, name: str, *, env: dict[str, str], inject: str = "", nproc: int = 4,

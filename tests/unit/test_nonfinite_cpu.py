@@ -23,7 +23,7 @@ def _check_with(params: dict[str, torch.Tensor], fused: bool = False):
 
     def run_check():
         check._cpu_armed = True
-        check._cpu_backward_done()
+        check.cpu_backward_done()
         return [rec[-1] for rec in records]  # the record's text: "grad <name>"
 
     return check, run_check
@@ -145,3 +145,74 @@ def test_a_sparse_gradient_falls_back_to_per_gradient_sums():
     emb.grad = torch.sparse_coo_tensor([[1], [2]], [math.nan], emb.shape, check_invariants=True)  # as nn.Embedding(sparse=True) gives
     assert run_check() == ["grad layer0.weight"]
     assert check._flat is None
+
+
+# ---- the budget: CPU gradients are tested on every `stride`-th step, the loss on every step --------------
+
+def _budgeted(budget: float):
+    """A check driven through its backward wrapper (real autograd), with the step counter under test control."""
+    import types
+
+    records, state = [], {"step": 0}
+    check = NonFiniteCheck(lambda *rec: records.append(rec), lambda: state["step"], budget=budget)
+    autograd = types.SimpleNamespace(backward=torch.autograd.backward)
+    check.patch_autograd(autograd)
+    w = torch.nn.Parameter(torch.ones(4))
+    check.hook_params([w], {id(w): "w"})
+
+    def step(poison_grad=False, poison_loss=False, wall_s=0.01):
+        w.grad = None
+        x = torch.full((4,), math.nan if poison_grad else 1.0)
+        # a NaN input: the gradient of w turns NaN, the loss of (w * x) stays finite only if masked below
+        loss = (w * x).nan_to_num(0.0).sum() if poison_grad else (w * x).sum()
+        if poison_loss:
+            loss = loss * math.nan
+        autograd.backward(loss)
+        state["step"] += 1
+        check.check_step(wall_s)
+        return [(r[5], r[7]) for r in records[-1:]] if records else []
+
+    return check, step, records
+
+
+def test_every_step_is_tested_at_a_budget_of_one():
+    check, step, records = _budgeted(budget=1.0)
+    for _ in range(5):
+        step()
+    assert check.cpu_checks == 5 and check.stride == 1
+    step(poison_grad=True)
+    assert records and records[-1][5] == 6 and records[-1][7] == "grad w"
+
+
+def test_the_stride_fits_the_budget_and_unchecked_steps_are_not_tested(monkeypatch):
+    check, step, records = _budgeted(budget=0.001)
+    clock = {"t": 0.0}
+
+    def fake_perf_counter():  # read twice per test: each test appears to take 50 us; a step's wall time is 10 ms
+        clock["t"] += 0.00005
+        return clock["t"]
+
+    monkeypatch.setattr(nonfinite.time, "perf_counter", fake_perf_counter)
+    for _ in range(40):
+        step(wall_s=0.01)
+    # 50 us per test within half of 0.1 % of a 10 ms step: a stride of at least 10, a power of two
+    assert check.stride == 16, check.stride
+    tested_before = check.cpu_checks
+    assert tested_before < 40
+    while (check.get_step() + 1) % check.stride == 0:  # the next step is not a multiple of the stride
+        step()
+    step(poison_grad=True)  # a NaN gradient on an unchecked step: not tested, nothing named
+    assert records == [] and check.cpu_checks == tested_before
+    while (check.get_step() + 1) % check.stride:
+        step()
+    step(poison_grad=True)  # on a multiple of the stride the gradient is tested and named
+    assert [(r[5], r[7]) for r in records] == [(check.get_step(), "grad w")]
+
+
+def test_the_loss_is_tested_on_every_step_whatever_the_stride():
+    check, step, records = _budgeted(budget=0.001)
+    check.stride = 64
+    for _ in range(3):
+        step()
+    step(poison_loss=True)
+    assert [(r[5], r[7].strip()) for r in records] == [(4, "loss")]

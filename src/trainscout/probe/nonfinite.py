@@ -4,13 +4,19 @@ After the gradient all-reduce every rank holds NaN, so the origin can only be se
 the loss when `backward()` is called on it, and each gradient before DDP reduces it. The coordinator
 then names the rank(s) that turned non-finite at the earliest step.
 
-CPU tensors are checked at once: the loss in the `backward` wrapper, the gradients at the end of the
-backward pass, in the same engine callback the CUDA path uses (below): one fused elementwise finiteness
+CPU tensors are checked at once: the loss in the `backward` wrapper, every step, the gradients at the end of
+the backward pass, in the same engine callback the CUDA path uses (below): one fused elementwise finiteness
 test over all gradients (the AMP grad scaler's check, with a scale of exactly 1, so every value is
 rewritten unchanged), instead of a Python hook per gradient. Where that cannot run (a sparse or
 overlapping gradient, one that is part of a graph) one sum over all gradients (copied into one flat buffer
 when they are small) and one finiteness test replace it. With
 `gradient_as_bucket_view=True` each gradient is summed in its own post-accumulate-grad hook instead.
+Reading every gradient is a pass over memory on the training thread (100-150 us a step for the demo's 0.5 MB
+of gradients on a small VM, cold after backward: as much as everything else the probe does there), so the CPU
+gradient test runs on steps that are a multiple of a power-of-two stride, chosen to keep it within `budget`
+of the step time (default 0.1 %; 1 checks every step). A NaN that first appears in the gradients of an
+unchecked step turns every replica's loss non-finite at the next step: seen, with no origin to name. The
+loss itself, and CUDA gradients (an asynchronous kernel), are checked every step.
 
 CUDA tensors are checked without a host sync, once per backward. The wrapper hooks the start of the
 backward pass and queues an engine callback from there; engine callbacks run in order at the end of the
@@ -31,6 +37,7 @@ from __future__ import annotations
 import math
 import operator
 import time
+from collections import deque
 
 import numpy as np
 
@@ -47,10 +54,11 @@ RESULTS_DEPTH = 32
 # Landed CUDA results are judged every JUDGE_EVERY steps, all at once: judging is mostly per-call overhead
 # (~40 us of host time a call on an H200 host), and a report 3 steps later names the same step.
 JUDGE_EVERY = 4
+MAX_STRIDE = 64  # the CPU gradient test runs at least every 64 steps, whatever it costs
 
 
 class NonFiniteCheck:
-    def __init__(self, append, get_step, on_error=None, on_cpu=None) -> None:
+    def __init__(self, append, get_step, on_error=None, on_cpu=None, budget: float = 0.001) -> None:
         self.append = append
         self.get_step = get_step
         self.on_error = on_error  # (text) -> None: a failed CUDA check disables itself and says why
@@ -63,6 +71,12 @@ class NonFiniteCheck:
         self._cpu_params: list = []
         self._cpu_names: list[str] = []
         self._cpu_armed = False
+        self._cpu_due = False  # the CPU gradients of the backward pass in progress are tested
+        self.budget = budget  # share of step time the CPU gradient test may take (>= 1: every step)
+        self.stride = 1  # CPU gradients are tested on steps that are multiples of this (a power of two)
+        self._cpu_costs: deque = deque(maxlen=5)  # seconds of the last CPU gradient tests (their median is used)
+        self._wall_s = 0.0  # smoothed step wall time
+        self.cpu_checks = 0
         self._fused_ok = True  # the fused finiteness test serves (see _cpu_finite); else the sums below
         self._found, self._unit = None, None  # its flag and scale (made on first use)
         self._flat, self._flat_views = None, []  # see _cpu_total
@@ -95,26 +109,35 @@ class NonFiniteCheck:
         self.reports += 1
         self.append(NONFINITE_PG_INDEX, step, 0, 0, time.time_ns(), step, "nonfinite", f"{what} {name}".strip())
 
+    def on_loss(self, loss) -> None:
+        """A scalar loss with a grad_fn enters backward (the probe's backward wrapper): test it, and arm this
+        pass's gradient test. A CPU pass is then finished by `cpu_backward_done`, run from an engine callback
+        queued at the start of the pass; a CUDA pass queues its own."""
+        device = loss.device
+        if device.type == "cpu":
+            if not math.isfinite(loss.item()):  # a scalar on the host: no tensor ops needed
+                self._report("loss", "")
+            self._cpu_due = due = (self.get_step() + 1) % self.stride == 0
+            self._cpu_armed = due and bool(self._cpu_params)
+        elif device.type == "cuda" and self._device_ok:
+            try:
+                self._arm(loss)
+            except Exception as exc:
+                self._disable(exc)
+
     def patch_autograd(self, autograd_module) -> None:
+        """This check alone around `autograd_module.backward` (tests and benchmarks; the probe wraps backward
+        once for all its per-backward work, see probe.Probe._patch_backward)."""
         real_backward = autograd_module.backward
         check = self
 
         def backward(tensors, *args, **kwargs):
             try:
                 t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
-                device = getattr(t, "device", None)
-                if device is not None and t.numel() == 1:
-                    if device.type == "cpu":
-                        if not math.isfinite(t.item()):  # a scalar on the host: no tensor ops needed
-                            check._report("loss", "")
-                        if check._cpu_params and t.grad_fn is not None:
-                            check._cpu_armed = True
-                            t.grad_fn.register_prehook(check._cpu_backward_started)
-                    elif device.type == "cuda" and check._device_ok:
-                        try:
-                            check._arm(t)
-                        except Exception as exc:
-                            check._disable(exc)
+                if getattr(t, "grad_fn", None) is not None and t.numel() == 1:
+                    check.on_loss(t)
+                    if check._cpu_armed:
+                        t.grad_fn.register_prehook(check._cpu_backward_started)
             except Exception:
                 pass  # fail open: the check must never break backward
             return real_backward(tensors, *args, **kwargs)
@@ -152,16 +175,19 @@ class NonFiniteCheck:
                 # One cheap op per gradient, before DDP reduces it: NaN/Inf anywhere makes the sum
                 # non-finite. The sums are judged together once per step (check_step).
                 try:
-                    if param.grad is not None:
+                    if self._cpu_due and param.grad is not None:
                         self._sums.append((name, param.grad.detach().sum()))
                 except Exception:
                     pass
 
             p.register_post_accumulate_grad_hook(hook)
 
-    def check_step(self) -> None:
+    def check_step(self, step_wall_s: float = 0.0) -> None:
         """Called after the optimizer step: report the first gradient whose local sum was not finite, and,
-        every JUDGE_EVERY calls, judge the CUDA vectors whose copy has landed (this step's or earlier ones)."""
+        every JUDGE_EVERY calls, judge the CUDA vectors whose copy has landed (this step's or earlier ones).
+        step_wall_s: the step's wall time, which the CPU gradient test's stride is fitted to."""
+        if step_wall_s > 0:
+            self._wall_s = step_wall_s if not self._wall_s else 0.9 * self._wall_s + 0.1 * step_wall_s
         self._judge_calls += 1
         if self._results is not None and self._judge_calls % JUDGE_EVERY == 0:
             t0 = time.perf_counter()
@@ -210,9 +236,9 @@ class NonFiniteCheck:
         if self._cpu_armed:
             import torch
 
-            torch.autograd.Variable._execution_engine.queue_callback(self._cpu_backward_done)
+            torch.autograd.Variable._execution_engine.queue_callback(self.cpu_backward_done)
 
-    def _cpu_backward_done(self) -> None:
+    def cpu_backward_done(self) -> None:
         """End of a CPU backward pass, before DDP copies reduced buckets back: judge the local gradients."""
         if not self._cpu_armed:
             return
@@ -221,7 +247,7 @@ class NonFiniteCheck:
         try:
             import torch
 
-            grads = [p.grad for p in self._cpu_params]
+            grads = list(map(_GRAD, self._cpu_params))
             # NaN/Inf anywhere makes the sum of all elements non-finite; only then is each gradient tested,
             # so a finite sum that overflowed names nothing.
             if not self._cpu_finite(torch, grads):
@@ -231,9 +257,31 @@ class NonFiniteCheck:
                     self._report("grad", bad)
         except Exception:
             pass  # fail open: never raise into the autograd engine
-        self.spent_s += time.perf_counter() - t0
+        cost = time.perf_counter() - t0
+        self.cpu_checks += 1
+        if self.cpu_checks == 1:  # lays out buffers, first touches: setup, not what a test costs
+            self.setup_s += cost
+        else:
+            self.spent_s += cost
+            self._cpu_costs.append(cost)
+            self._adapt_stride()
         if self.on_cpu is not None:
             self.on_cpu(time.thread_time() - c0)
+
+    def _adapt_stride(self) -> None:
+        """Keep the median test cost / stride within half the budget x step time (the other half covers noisy
+        steps); halve the stride only below an eighth (hysteresis). Powers of two: every stride's steps are
+        steps of the larger strides too, so replicas that settled on different strides still share steps."""
+        if self.budget >= 1 or self._wall_s <= 0:
+            self.stride = 1
+            return
+        need = _middle(self._cpu_costs) / (max(self.budget, 1e-6) * self._wall_s)
+        stride = self.stride
+        while stride < 2 * need and stride < MAX_STRIDE:
+            stride *= 2
+        while stride > 1 and 8 * need < stride:
+            stride //= 2
+        self.stride = stride
 
     def _cpu_finite(self, torch, grads: list) -> bool:
         """Whether every element of the CPU gradients is finite. One C++ call reads each gradient once (cold
@@ -434,6 +482,11 @@ class NonFiniteCheck:
                 self.on_error(f"non-finite check on CUDA disabled: {exc!r}")
             except Exception:
                 pass
+
+
+def _middle(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def _l1_norms(grads: list) -> list:

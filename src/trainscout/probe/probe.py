@@ -57,7 +57,8 @@ class Probe:
         self.nonfinite = None
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
             self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error,
-                                            on_cpu=self.timing.exclude_cpu)
+                                            on_cpu=self.timing.exclude_cpu,
+                                            budget=_env_number("TRAINSCOUT_NONFINITE_BUDGET", 0.001))
         self.gather_check = None
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
@@ -115,13 +116,11 @@ class Probe:
         h.on_import("torch.optim.optimizer", self._hook_optimizer)
         h.on_import("torch.distributed._functional_collectives",
                     self._guarded(self.tap.patch_functional, "functional collective tap"))
-        if self.nonfinite is not None:
-            h.on_import("torch.autograd", self._guarded(self.nonfinite.patch_autograd, "loss check"))
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
         if self.gather_check is not None:
             h.on_import("torch.distributed.fsdp._fully_shard._fully_shard",
                         self._guarded(self.gather_check.wrap, "all-gather check"))
-        h.on_import("torch.autograd", self._guarded(self.timing.patch_autograd, "step timing"))
+        h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
         h.on_import("torch.utils.data.dataloader", self._guarded(self.timing.wrap_dataloader, "data-loader timing"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
         h.on_import("torch.distributed.checkpoint.state_dict_saver",
@@ -193,6 +192,8 @@ class Probe:
                                    "units": gc.modules}
         if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
             out["nonfinite"] = {"seconds": self.nonfinite.spent_s, "setup_seconds": self.nonfinite.setup_s}
+            if self.nonfinite.cpu_checks:  # CPU gradients: tested every `stride` steps (the budget)
+                out["nonfinite"].update(cpu_checks=self.nonfinite.cpu_checks, stride=self.nonfinite.stride)
         if self.publisher is not None and self.publisher.dumps:  # on the probe's thread, not the training thread
             out["flight_recorder"] = {"seconds": self.publisher.dump_s, "dumps": self.publisher.dumps}
         return out
@@ -256,6 +257,44 @@ class Probe:
             module.destroy_process_group = destroy_process_group
         except Exception as exc:
             self._error(f"torch.distributed patching failed: {exc!r}")
+
+    def _patch_backward(self, autograd_module) -> None:
+        """One wrapper around backward for everything the probe does per backward pass: step timing (the end
+        of backward) and the non-finite check (the loss; the local gradients at the end of the pass). One
+        grad_fn pre-hook queues one engine callback that runs both, in that order: the callback runs before
+        DDP's finalisation, which waits for the gradient all-reduce."""
+        real_backward = autograd_module.backward
+        timing, nonfinite = self.timing, self.nonfinite
+        engine = autograd_module.Variable._execution_engine
+
+        def ended() -> None:
+            timing.backward_ended()
+            if nonfinite is not None:
+                nonfinite.cpu_backward_done()
+
+        def started(grad_outputs):
+            try:
+                engine.queue_callback(ended)
+            except Exception:
+                pass
+            return None
+
+        def backward(tensors, *args, **kwargs):
+            try:
+                t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
+                fn = t.grad_fn
+                if fn is not None and t.numel() == 1:
+                    timing.on_loss(t)
+                    fn.register_prehook(started)  # before the CUDA check's own: timing's end event comes first
+                    if nonfinite is not None:
+                        nonfinite.on_loss(t)
+            except Exception:
+                pass  # fail open: timing and checks must never break backward
+            return real_backward(tensors, *args, **kwargs)
+
+        backward.__wrapped__ = real_backward  # type: ignore[attr-defined]
+        backward.__doc__ = real_backward.__doc__
+        autograd_module.backward = backward
 
     def _hpz_mode(self) -> str:
         fix = self.hpz_fix
@@ -345,7 +384,7 @@ class Probe:
 
     def _checks_after_step(self, optimizer) -> None:
         if self.nonfinite is not None:
-            self.nonfinite.check_step()
+            self.nonfinite.check_step(self.timing.last_wall_s)
         if self.step == 1 and self.nonfinite is not None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self.nonfinite.hook_params(params, self.param_names)

@@ -192,37 +192,17 @@ class StepTiming:
                 pass
 
     # ---- hooks that feed it ------------------------------------------------------------------
-    def patch_autograd(self, autograd_module) -> None:
-        """Mark the end of each backward (an engine callback queued from the loss's grad_fn pre-hook runs
-        before DDP's own finalisation, which is where the gradient all-reduce wait happens)."""
-        real_backward = autograd_module.backward
-        timing = self
+    def on_loss(self, loss) -> None:
+        """A scalar loss enters backward (the probe's backward wrapper): on CUDA, time the GPU side too, on the
+        loss's stream. The end of backward comes through `backward_ended`, from an engine callback queued at
+        the start of the pass: it runs before DDP's own finalisation, which is where the gradient all-reduce
+        wait happens."""
+        if loss.device.type == "cuda":
+            import torch
 
-        def queue_end(grad_outputs):
-            try:
-                autograd_module.Variable._execution_engine.queue_callback(timing.backward_ended)
-            except Exception:
-                pass
-            return None
-
-        def backward(tensors, *args, **kwargs):
-            try:
-                t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
-                if getattr(t, "grad_fn", None) is not None and t.numel() == 1:
-                    if t.device.type == "cuda":
-                        import torch
-
-                        if timing._cuda is None:
-                            timing.use_cuda(torch.cuda, t.device)
-                        timing._stream = torch.cuda.current_stream(t.device)
-                    t.grad_fn.register_prehook(queue_end)
-            except Exception:
-                pass  # fail open: timing must never break backward
-            return real_backward(tensors, *args, **kwargs)
-
-        backward.__wrapped__ = real_backward  # type: ignore[attr-defined]
-        backward.__doc__ = real_backward.__doc__
-        autograd_module.backward = backward
+            if self._cuda is None:
+                self.use_cuda(torch.cuda, loss.device)
+            self._stream = torch.cuda.current_stream(loss.device)
 
     def add_checkpoint(self, wall_s: float, cpu_s: float) -> None:
         self.ckpt_s += wall_s
