@@ -11,9 +11,9 @@ rewritten unchanged), instead of a Python hook per gradient. Where that cannot r
 overlapping gradient, one that is part of a graph) one sum over all gradients (copied into one flat buffer
 when they are small) and one finiteness test replace it. With
 `gradient_as_bucket_view=True` each gradient is summed in its own post-accumulate-grad hook instead.
-Reading every gradient is a pass over memory on the training thread (100-150 us a step for the demo's 0.5 MB
-of gradients on a small VM, cold after backward: as much as everything else the probe does there), so the CPU
-gradient test runs on steps that are a multiple of a power-of-two stride, chosen to keep it within `budget`
+Reading every gradient is a pass over memory on the training thread (100-570 us of wall time a step for the
+demo's 0.5 MB of gradients on a small VM, cold after backward: more than everything else the probe does there),
+so the CPU gradient test runs on steps that are a multiple of a power-of-two stride, chosen to keep it within `budget`
 of the step time (default 0.1 %; 1 checks every step). A NaN that first appears in the gradients of an
 unchecked step turns every replica's loss non-finite at the next step: seen, with no origin to name. The
 loss itself, and CUDA gradients (an asynchronous kernel), are checked every step.
