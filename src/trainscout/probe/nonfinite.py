@@ -41,6 +41,8 @@ from collections import deque
 
 import numpy as np
 
+from trainscout.probe.budget import fit_stride
+
 NONFINITE_PG_INDEX = -2
 _MAX_REPORTS = 8
 _GRAD = operator.attrgetter("grad")  # map() over C-level getters: half the host time of a Python loop
@@ -151,9 +153,12 @@ class NonFiniteCheck:
         for p in params:
             if id(p) in self._hooked or not getattr(p, "requires_grad", False):
                 continue
+            if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+                # A sharded parameter's (FSDP2) gradient arrives already reduced, so it holds no origin; and an
+                # op on a DTensor may issue a collective on the training's group, which ranks testing on
+                # different steps would issue unmatched (a 3-rank FSDP2 job aborted in gloo). The loss is tested.
+                continue
             if p.device.type == "cuda":
-                if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
-                    continue  # a sharded parameter's gradient arrives already reduced; and no collectives here
                 self._hooked.add(id(p))
                 name = names.get(id(p), "")
                 if bucket_views:
@@ -269,19 +274,12 @@ class NonFiniteCheck:
             self.on_cpu(time.thread_time() - c0)
 
     def _adapt_stride(self) -> None:
-        """Keep the median test cost / stride within half the budget x step time (the other half covers noisy
-        steps); halve the stride only below an eighth (hysteresis). Powers of two: every stride's steps are
-        steps of the larger strides too, so replicas that settled on different strides still share steps."""
+        """The stride for the median of the last tests' costs (probe/budget.py); 1 at a budget of 1 or more."""
         if self.budget >= 1 or self._wall_s <= 0:
             self.stride = 1
             return
-        need = _middle(self._cpu_costs) / (max(self.budget, 1e-6) * self._wall_s)
-        stride = self.stride
-        while stride < 2 * need and stride < MAX_STRIDE:
-            stride *= 2
-        while stride > 1 and 8 * need < stride:
-            stride //= 2
-        self.stride = stride
+        self.stride = fit_stride(self.stride, _middle(self._cpu_costs), max(self.budget, 1e-6), self._wall_s,
+                                 MAX_STRIDE)
 
     def _cpu_finite(self, torch, grads: list) -> bool:
         """Whether every element of the CPU gradients is finite. One C++ call reads each gradient once (cold
