@@ -29,6 +29,7 @@ import functools
 import os
 import time
 
+from trainscout.probe.budget import fit_stride
 from trainscout.probe.state_check import STATE_PG_INDEX
 
 _MAX_STRIDE = 1 << 10
@@ -130,16 +131,10 @@ class GatherCheck:
             self._adapt_stride()
 
     def _adapt_stride(self) -> None:
-        """As the state check: cost per checked step / stride at most half the budget x step time."""
+        """The stride for the smoothed cost per checked step (probe/budget.py)."""
         if self._results is None or self._wall_s <= 0 or self.budget <= 0:
             return  # CPU parameters only: every step of the group
-        need = self._cost_s / (self.budget * self._wall_s)
-        stride = self.stride
-        while stride < 2 * need and stride < _MAX_STRIDE:
-            stride *= 2
-        while stride > 1 and 8 * need < stride:
-            stride //= 2
-        self.stride = stride
+        self.stride = fit_stride(self.stride, self._cost_s, self.budget, self._wall_s, _MAX_STRIDE)
 
     # ---------------------------------------------------------------- the check
 

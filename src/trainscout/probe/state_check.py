@@ -20,6 +20,7 @@ import time
 
 from trainscout.channel.layout import tensor_table_path
 from trainscout.probe import device_state
+from trainscout.probe.budget import fit_stride
 
 STATE_PG_INDEX = -1  # ring records with this pg index are state fingerprints, not collectives
 _ALIGN = 4
@@ -123,16 +124,10 @@ class StateCheck:
         self._adapt_stride()
 
     def _adapt_stride(self) -> None:
-        """Keep cost per hashed step / stride at most half the budget x step time: the other half covers
-        what the smoothed cost misses (noisy steps, the structure walk). Halve only below 1/8 (hysteresis)."""
+        """The stride for the smoothed cost per hashed step (probe/budget.py); the table says it to the agent."""
         if self.fixed_period or self._wall_s <= 0 or self.budget <= 0:
             return
-        need = self._cost_s / (self.budget * self._wall_s)
-        stride = self.stride
-        while stride < 2 * need and stride < _MAX_STRIDE:
-            stride *= 2
-        while stride > 1 and 8 * need < stride:
-            stride //= 2
+        stride = fit_stride(self.stride, self._cost_s, self.budget, self._wall_s, _MAX_STRIDE)
         if stride != self.stride:
             self.stride = stride
             self._write_table()
