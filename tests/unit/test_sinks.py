@@ -161,3 +161,18 @@ def test_probe_cost_summary_line_gives_median_cost_per_check_over_ranks(tmp_path
     assert line == ("trainscout's in-rank checks, median over 3 ranks: state check 2.000 ms/step (2.00 % of step "
                     "time); replay 0.500 ms/step (0.50 % of step time); state coverage period 290 steps")
     assert probe_costs.summary_line(str(tmp_path / "none")) == ""
+
+
+def test_probe_cost_summary_line_says_how_often_cpu_gradients_were_tested(tmp_path):
+    import json
+
+    from trainscout.sinks import probe_costs
+
+    for rank, stride in enumerate((16, 32)):
+        doc = {"rank": rank, "steps": 100, "step_wall_s": 10.0,
+               "nonfinite": {"seconds": 0.01, "setup_seconds": 0.0, "cpu_checks": 100 // stride, "stride": stride}}
+        with open(probe_costs.report_path(str(tmp_path), rank), "w") as fh:
+            json.dump(doc, fh)
+    line = probe_costs.summary_line(str(tmp_path))
+    assert line.endswith("nonfinite 0.100 ms/step (0.10 % of step time); CPU gradients tested for NaN/Inf every 32 "
+                         "steps (the loss every step)"), line

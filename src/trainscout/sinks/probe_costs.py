@@ -53,6 +53,9 @@ def summary_line(run_dir: str) -> str:
     periods = [r["state_check"]["period_steps"] for r in reports if "state_check" in r]
     if periods:
         parts.append(f"state coverage period {max(periods)} steps")
+    strides = [r["nonfinite"]["stride"] for r in reports if "stride" in r.get("nonfinite", {})]
+    if strides:  # the budget's doing: a NaN born in backward on another step shows a step later, on every rank
+        parts.append(f"CPU gradients tested for NaN/Inf every {max(strides)} steps (the loss every step)")
     if not parts:
         return ""
     return f"trainscout's in-rank checks, median over {len(reports)} ranks: " + "; ".join(parts)
