@@ -8,6 +8,7 @@ import os
 import sys
 
 from trainscout import __version__
+from trainscout.faults.spec import KINDS as FAULT_KINDS
 
 FINDING_HELP = """\
 findings (printed live, saved to runs/<run-id>/findings.jsonl and summary.md):
@@ -17,6 +18,13 @@ findings (printed live, saved to runs/<run-id>/findings.jsonl and summary.md):
   crash       the named rank died first (exception, signal); later failures are listed as collateral
   early_exit  the named rank exited cleanly while its peers still had work
   stall       the whole job stopped at the same point for a long time; nobody to blame
+  straggler   the named rank is slow (compute, its link, data loading or checkpoint writes); peers wait
+  sdc         silent data corruption: a replica's weights, optimizer state, gathered parameters or a
+              recomputed layer differ from the other replicas'
+  nonfinite   the first loss or local gradient that turned NaN/Inf, before a reduction spread it
+  health      the same replica computed a layer wrong twice: its device is faulty
+  hpz_race    ZeRO++ hpZ: a module ran backward with weights other than those of its forward
+status: attributed (a strict majority names the culprit) or inconclusive (no majority: nobody blamed)
 """
 
 RUN_EXAMPLE = """\
@@ -64,7 +72,8 @@ def _launcher_node_rank(command: list[str]) -> int | None:
     return None
 
 
-def _run(args, command: list[str]) -> int:
+def _run(args, command: list[str], on_done=None) -> int:
+    """`trainscout run`; on_done(exit status, run folder) may replace the job's exit status (the demo's verdict)."""
     from trainscout.faults.spec import parse_faults
     from trainscout.runner.supervisor import RunOptions, Supervisor, live_ranks, run_dir_of
 
@@ -122,12 +131,53 @@ def _run(args, command: list[str]) -> int:
             print(f"trainscout: run id {args.run_id!r} is in use by a job running on this host ({ranks}): "
                   "choose another --run-id", file=sys.stderr)
             return 2
-    return Supervisor(opts).run()
+    supervisor = Supervisor(opts)
+    status = supervisor.run()
+    return status if on_done is None else on_done(status, supervisor.run_dir)
+
+
+DEMO_STEPS = 100
+DEMO_STEPS_CORRUPT = 400
 
 
 def _demo_command(args) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
             "--master-port", str(args.master_port), "-m", "trainscout.demo.train", "--steps", str(args.steps)]
+
+
+def _demo_faults(args) -> list:
+    """The demo's injected faults, checked against its size and length (a fault that cannot fire would read as
+    a detector failure)."""
+    from trainscout.faults.spec import parse_faults
+
+    specs = parse_faults(args.inject) if args.inject else []
+    if args.steps is None:
+        args.steps = DEMO_STEPS_CORRUPT if any(s.kind == "corrupt" for s in specs) else DEMO_STEPS
+    for spec in specs:
+        bad = [r for r in spec.ranks or () if r >= args.nproc]
+        if bad:
+            raise ValueError(f"rank {bad[0]} is not in a {args.nproc}-rank demo (ranks 0-{args.nproc - 1})")
+        if spec.step > args.steps:
+            raise ValueError(f"{spec.kind} at step {spec.step} would never fire: the demo trains {args.steps} "
+                             f"steps (--steps)")
+    return specs
+
+
+def _demo_verdict(specs: list, status: int, run_dir: str) -> int:
+    """Print whether the injected fault was named; the demo's exit status is that verdict."""
+    from trainscout.demo.verdict import judge
+
+    findings = []
+    path = os.path.join(run_dir, "findings.jsonl")
+    if os.path.exists(path):
+        with open(path) as fh:
+            findings = [json.loads(line) for line in fh if line.strip()]
+    verdict = judge(specs, findings, status)
+    for line in verdict.lines:
+        print(f"trainscout: {line}", flush=True)
+    if verdict.ok is None:
+        return status
+    return 0 if verdict.ok else 1
 
 
 def _request_replay(run_dir: str, layer: str) -> int:
@@ -167,15 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_options(run)
     demo = sub.add_parser("demo", help="4 CPU ranks, a tiny GPT, one injected fault, localized live",
                           description="A 4-rank CPU (gloo) DDP job training a tiny GPT under trainscout, with one "
-                                      "injected fault. Faults: hang, gil, crash, exit, desync, slow, pause, none.",
+                                      "injected fault. Faults: " + ", ".join(FAULT_KINDS) + ", none. "
+                                      "Exits 0 when trainscout named the injected fault (its kind and exactly its "
+                                      "rank) or, with --fault none, when the job ran clean with no finding; 1 when "
+                                      "it did not; the training job's own exit status is printed.",
                           epilog="fault parameters: crash how=kill|segv|exception; exit code=N; "
-                                 "desync what=shape|dtype|op|reduce|pg; slow ms=N; pause seconds=N\n\n" + FINDING_HELP,
+                                 "desync what=shape|dtype|op|reduce|pg; slow ms=N; pause seconds=N; "
+                                 "corrupt how=bitflip|sign|scale|pct1|pct100; nan where=param|grad; "
+                                 "straggle factor=F every=N\n\n" + FINDING_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--fault", default="hang", help="fault kind to inject, or none (default hang)")
     demo.add_argument("--rank", default="2", help="rank to fault, or all (default 2)")
     demo.add_argument("--step", type=int, default=20, help="optimizer step at which it fires (default 20)")
     demo.add_argument("--param", action="append", default=[], metavar="K=V", help="fault parameter, e.g. what=reduce")
-    demo.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help=f"training steps (default {DEMO_STEPS}; {DEMO_STEPS_CORRUPT} with --fault corrupt: at default "
+                           "settings the replicated-state check and replay cover the model in a few hundred steps)")
     demo.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     demo.add_argument("--master-port", type=int, default=29512)
     demo.add_argument("--keep-running", action="store_true", help="do not stop the job after the finding")
@@ -207,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             args.inject = args.inject or spec
         if not args.abort_on and not args.keep_running:
             args.abort_on = "hang,desync,early_exit,stall"
-        return _run(args, _demo_command(args))
+        try:
+            specs = _demo_faults(args)
+        except ValueError as exc:
+            print(f"trainscout demo: {exc}", file=sys.stderr)
+            return 2
+        return _run(args, _demo_command(args), on_done=lambda status, run_dir: _demo_verdict(specs, status, run_dir))
     if args.cmd == "checkpoints":
         from trainscout.checkpoint_list import main as list_main
 

@@ -26,6 +26,7 @@ def test_healthy_demo_job_has_no_findings(tmp_path):
     result = run_demo(tmp_path, "clean", fault="none", steps=100)
 
     _assert_clean(result)
+    assert "trainscout: demo PASS: a clean run, no finding" in result.output, result.describe()
     assert "done: 100 steps" in result.output, result.describe()
 
 
@@ -34,6 +35,7 @@ def test_uniformly_slow_job_has_no_findings(tmp_path):
     result = run_demo(tmp_path, "slow-all", fault="slow", rank="all", step=0, steps=60, params=("ms=30",))
 
     _assert_clean(result)
+    assert "trainscout: demo PASS: a clean run, no finding" in result.output, result.describe()
     assert "done: 60 steps" in result.output, result.describe()
     assert "slow: sleeping 30 ms per step" in result.output, result.describe()
 
