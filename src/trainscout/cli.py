@@ -163,7 +163,7 @@ def _demo_faults(args) -> list:
     return specs
 
 
-def _demo_verdict(specs: list, status: int, run_dir: str) -> int:
+def _demo_verdict(specs: list, status: int, run_dir: str, hang_timeout_s: float) -> int:
     """Print whether the injected fault was named; the demo's exit status is that verdict."""
     from trainscout.demo.verdict import judge
 
@@ -172,7 +172,7 @@ def _demo_verdict(specs: list, status: int, run_dir: str) -> int:
     if os.path.exists(path):
         with open(path) as fh:
             findings = [json.loads(line) for line in fh if line.strip()]
-    verdict = judge(specs, findings, status)
+    verdict = judge(specs, findings, status, hang_timeout_s=hang_timeout_s)
     for line in verdict.lines:
         print(f"trainscout: {line}", flush=True)
     if verdict.ok is None:
@@ -231,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--step", type=int, default=20, help="optimizer step at which it fires (default 20)")
     demo.add_argument("--param", action="append", default=[], metavar="K=V", help="fault parameter, e.g. what=reduce")
     demo.add_argument("--steps", type=int, default=None,
-                      help=f"training steps (default {DEMO_STEPS}; {DEMO_STEPS_CORRUPT} with --fault corrupt: at default "
-                           "settings the replicated-state check and replay cover the model in a few hundred steps)")
+                      help=f"training steps (default {DEMO_STEPS}; {DEMO_STEPS_CORRUPT} with --fault corrupt: at "
+                           "default settings the replicated-state check and replay cover the model in a few hundred "
+                           "steps)")
     demo.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     demo.add_argument("--master-port", type=int, default=29512)
     demo.add_argument("--keep-running", action="store_true", help="do not stop the job after the finding")
@@ -269,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"trainscout demo: {exc}", file=sys.stderr)
             return 2
-        return _run(args, _demo_command(args), on_done=lambda status, run_dir: _demo_verdict(specs, status, run_dir))
+
+        def judged(status: int, run_dir: str) -> int:
+            return _demo_verdict(specs, status, run_dir, args.hang_timeout)
+
+        return _run(args, _demo_command(args), on_done=judged)
     if args.cmd == "checkpoints":
         from trainscout.checkpoint_list import main as list_main
 

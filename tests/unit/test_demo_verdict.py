@@ -86,3 +86,12 @@ def test_a_uniform_slowdown_on_every_rank_must_be_clean():
 def test_other_faults_on_every_rank_are_not_judged():
     v = judge(parse_faults("crash:rank=all:step=5"), [_finding("crash", [3])], 1)
     assert v.ok is None and "no single culprit" in v.lines[0]
+
+
+def test_a_pause_on_one_rank_is_a_hang_only_when_longer_than_the_hang_timeout():
+    (long,) = parse_faults("pause:rank=1:step=20:seconds=10")
+    (short,) = parse_faults("pause:rank=1:step=20:seconds=2")
+    assert judge([long], [_finding("hang", [1])], 1, hang_timeout_s=5).ok is True
+    assert judge([long], [], 0, hang_timeout_s=5).ok is False
+    v = judge([short], [], 0, hang_timeout_s=5)
+    assert v.ok is None and "pause seconds=2 on rank 1" in v.lines[0] and "not a hang" in v.lines[0]

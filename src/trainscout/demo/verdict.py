@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainscout.faults.spec import FaultSpec
+from trainscout.faults.spec import FaultSpec, format_value
 
 # The finding each fault on one rank (or a few) must produce.
 _EXPECTED_KIND = {
@@ -55,7 +55,7 @@ def expected_kind(spec: FaultSpec) -> str | None:
 
 def _describe(spec: FaultSpec) -> str:
     ranks = "every rank" if spec.ranks is None else "rank " + ",".join(str(r) for r in spec.ranks)
-    params = "".join(f" {k}={v}" for k, v in spec.params.items() if v != "")
+    params = "".join(f" {k}={format_value(v)}" for k, v in spec.params.items() if v != "")
     return f"{spec.kind}{params} on {ranks} from step {spec.step}"
 
 
@@ -64,7 +64,15 @@ def _finding_text(f: dict) -> str:
     return f"{f.get('kind')} (culprit ranks {culprits}, {f.get('status')})"
 
 
-def judge(specs: list[FaultSpec], findings: list[dict], job_exit: int) -> Verdict:
+def _not_judged(spec: FaultSpec, hang_timeout_s: float) -> str | None:
+    if spec.ranks is None:
+        return None
+    if spec.kind == "pause" and spec.params.get("seconds", 0) <= hang_timeout_s:
+        return "a pause no longer than --hang-timeout is not a hang"
+    return _NOT_JUDGED.get(spec.kind)
+
+
+def judge(specs: list[FaultSpec], findings: list[dict], job_exit: int, hang_timeout_s: float = 5.0) -> Verdict:
     """The demo's verdict on one finished run."""
     found = "; ".join(_finding_text(f) for f in findings) or "no finding"
     exit_line = f"the training job's exit status: {job_exit}"
@@ -74,10 +82,10 @@ def judge(specs: list[FaultSpec], findings: list[dict], job_exit: int) -> Verdic
         ok = not findings and job_exit == 0
         verdict = "PASS: a clean run, no finding" if ok else "FAIL: expected a clean run with no finding"
         return Verdict(ok, (f"demo {verdict} ({what}); found: {found}; {exit_line}",))
-    unjudged = [s for s in specs if s.ranks is not None and s.kind in _NOT_JUDGED]
-    if unjudged:
-        return Verdict(None, tuple(f"demo: {_describe(s)} is not judged: {_NOT_JUDGED[s.kind]}; found: {found}; "
-                                   f"{exit_line}" for s in unjudged))
+    reasons = [(s, why) for s in specs if (why := _not_judged(s, hang_timeout_s))]
+    if reasons:
+        return Verdict(None, tuple(f"demo: {_describe(s)} is not judged: {why}; found: {found}; {exit_line}"
+                                   for s, why in reasons))
     if any(s.ranks is None for s in specs):
         return Verdict(None, (f"demo: {'; '.join(_describe(s) for s in specs)}: a fault on every rank has no "
                               f"single culprit to check; found: {found}; {exit_line}",))
