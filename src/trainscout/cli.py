@@ -73,7 +73,7 @@ def _launcher_node_rank(command: list[str]) -> int | None:
 
 
 def _run(args, command: list[str], on_done=None) -> int:
-    """`trainscout run`; on_done(exit status, run folder) may replace the job's exit status (the demo's verdict)."""
+    """`trainscout run`; on_done(exit status, findings) may replace the job's exit status (the demo's verdict)."""
     from trainscout.faults.spec import parse_faults
     from trainscout.runner.supervisor import RunOptions, Supervisor, live_ranks, run_dir_of
 
@@ -133,7 +133,7 @@ def _run(args, command: list[str], on_done=None) -> int:
             return 2
     supervisor = Supervisor(opts)
     status = supervisor.run()
-    return status if on_done is None else on_done(status, supervisor.run_dir)
+    return status if on_done is None else on_done(status, supervisor.findings)
 
 
 DEMO_STEPS = 100
@@ -163,15 +163,10 @@ def _demo_faults(args) -> list:
     return specs
 
 
-def _demo_verdict(specs: list, status: int, run_dir: str, hang_timeout_s: float) -> int:
+def _demo_verdict(specs: list, status: int, findings: list, hang_timeout_s: float) -> int:
     """Print whether the injected fault was named; the demo's exit status is that verdict."""
     from trainscout.demo.verdict import judge
 
-    findings = []
-    path = os.path.join(run_dir, "findings.jsonl")
-    if os.path.exists(path):
-        with open(path) as fh:
-            findings = [json.loads(line) for line in fh if line.strip()]
     verdict = judge(specs, findings, status, hang_timeout_s=hang_timeout_s)
     for line in verdict.lines:
         print(f"trainscout: {line}", flush=True)
@@ -271,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainscout demo: {exc}", file=sys.stderr)
             return 2
 
-        def judged(status: int, run_dir: str) -> int:
-            return _demo_verdict(specs, status, run_dir, args.hang_timeout)
+        def judged(status: int, findings: list) -> int:
+            return _demo_verdict(specs, status, findings, args.hang_timeout)
 
         return _run(args, _demo_command(args), on_done=judged)
     if args.cmd == "checkpoints":

@@ -6,10 +6,11 @@ import pytest
 
 from trainscout.demo.verdict import expected_kind, judge
 from trainscout.faults.spec import KINDS, parse_faults
+from trainscout.findings import Finding
 
 
-def _finding(kind: str, ranks: list[int], status: str = "attributed") -> dict:
-    return {"kind": kind, "culprit_ranks": ranks, "status": status}
+def _finding(kind: str, ranks: list[int], status: str = "attributed") -> Finding:
+    return Finding(kind=kind, summary="", culprit_ranks=ranks, status=status)
 
 
 def test_the_injected_hang_named_on_its_rank_passes_whatever_the_stopped_job_returned():

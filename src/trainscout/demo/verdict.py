@@ -5,7 +5,7 @@ exit status (torchrun's 1) says nothing about whether trainscout worked. The dem
 every injected fault was named with the expected kind and exactly the injected rank(s) as culprits (or,
 with nothing injected, when the job finished cleanly with no finding), 1 otherwise.
 
-Pure logic: fault specs and findings (as read from findings.jsonl) in, a verdict out. No torch, no I/O.
+Pure logic: fault specs and the run's findings in, a verdict out. No torch, no I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainscout.faults.spec import FaultSpec, format_value
+from trainscout.findings import Finding
 
 # The finding each fault on one rank (or a few) must produce.
 _EXPECTED_KIND = {
@@ -59,9 +60,9 @@ def _describe(spec: FaultSpec) -> str:
     return f"{spec.kind}{params} on {ranks} from step {spec.step}"
 
 
-def _finding_text(f: dict) -> str:
-    culprits = ",".join(str(r) for r in f.get("culprit_ranks") or []) or "none"
-    return f"{f.get('kind')} (culprit ranks {culprits}, {f.get('status')})"
+def _finding_text(f: Finding) -> str:
+    culprits = ",".join(str(r) for r in f.culprit_ranks) or "none"
+    return f"{f.kind} (culprit ranks {culprits}, {f.status})"
 
 
 def _not_judged(spec: FaultSpec, hang_timeout_s: float) -> str | None:
@@ -72,7 +73,7 @@ def _not_judged(spec: FaultSpec, hang_timeout_s: float) -> str | None:
     return _NOT_JUDGED.get(spec.kind)
 
 
-def judge(specs: list[FaultSpec], findings: list[dict], job_exit: int, hang_timeout_s: float = 5.0) -> Verdict:
+def judge(specs: list[FaultSpec], findings: list[Finding], job_exit: int, hang_timeout_s: float = 5.0) -> Verdict:
     """The demo's verdict on one finished run."""
     found = "; ".join(_finding_text(f) for f in findings) or "no finding"
     exit_line = f"the training job's exit status: {job_exit}"
@@ -92,8 +93,8 @@ def judge(specs: list[FaultSpec], findings: list[dict], job_exit: int, hang_time
     lines, ok = [], True
     for spec in specs:
         kind, ranks = expected_kind(spec), sorted(spec.ranks or ())
-        named = [f for f in findings if f.get("kind") == kind and f.get("status") == "attributed"
-                 and sorted(f.get("culprit_ranks") or []) == ranks]
+        named = [f for f in findings
+                 if f.kind == kind and f.status == "attributed" and sorted(f.culprit_ranks) == ranks]
         want = f"a {kind} finding naming rank {','.join(map(str, ranks))}"
         if named:
             lines.append(f"demo PASS: injected {_describe(spec)}; trainscout found {want}")

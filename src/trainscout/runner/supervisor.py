@@ -98,6 +98,7 @@ class Supervisor:
         self.coordinator: subprocess.Popen | None = None
         self.agent: subprocess.Popen | None = None
         self.launcher: subprocess.Popen | None = None
+        self.findings: list = []  # the run's findings, read back from findings.jsonl for the summary (node 0)
         self.notes: list[str] = []
         self._launcher_text: list[str] = []
         self._interrupted = 0
@@ -278,6 +279,7 @@ class Supervisor:
         if os.path.exists(path):
             with open(path, "rb") as fh:
                 findings = [from_json(line) for line in fh if line.strip()]
+        self.findings = findings
         notes = list(self.notes)
         cost = probe_costs.summary_line(self.run_dir)
         if cost:
