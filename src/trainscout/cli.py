@@ -218,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                                       "it did not; the training job's own exit status is printed.",
                           epilog="fault parameters: crash how=kill|segv|exception; exit code=N; "
                                  "desync what=shape|dtype|op|reduce|pg; slow ms=N; pause seconds=N; "
-                                 "corrupt how=bitflip|sign|scale|pct1|pct100; nan where=param|grad; "
-                                 "straggle factor=F every=N\n\n" + FINDING_HELP,
+                                 "corrupt how=bitflip|sign|scale|pct1|pct100|expflip|signflip "
+                                 "target=param|state key=NAME frac=F factor=F; nan where=param|grad; "
+                                 "straggle factor=F every=N; delay how=sleep|busy|read|lock|gpu|data ms=N every=N "
+                                 "layer=NAME; starve hogs=N; gradnoise how=tensor|activation scale=F count=N "
+                                 "layer=NAME; outflip how=hook|patch factor=F layer=NAME "
+                                 "(docs/faults.md)\n\n" + FINDING_HELP,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--fault", default="hang", help="fault kind to inject, or none (default hang)")
     demo.add_argument("--rank", default="2", help="rank to fault, or all (default 2)")

@@ -96,3 +96,20 @@ def test_a_pause_on_one_rank_is_a_hang_only_when_longer_than_the_hang_timeout():
     assert judge([long], [], 0, hang_timeout_s=5).ok is False
     v = judge([short], [], 0, hang_timeout_s=5)
     assert v.ok is None and "pause seconds=2 on rank 1" in v.lines[0] and "not a hang" in v.lines[0]
+
+
+@pytest.mark.parametrize("fault,kind", [
+    ("delay", "straggler"), ("delay:how=data:every=3", "straggler"), ("starve", "straggler"),
+    ("gradnoise:how=activation", "sdc"), ("outflip:how=patch", "sdc"),
+])
+def test_the_drills_expect_the_finding_of_what_they_break(fault, kind):
+    specs = parse_faults(f"{fault}:rank=1:step=30")
+    assert expected_kind(specs[0]) == kind
+    assert judge(specs, [_finding(kind, [1])], 0).ok is True
+    assert judge(specs, [_finding(kind, [2])], 0).ok is False
+
+
+def test_a_delay_on_every_rank_must_be_clean():
+    specs = parse_faults("delay:rank=all:step=5:ms=40")
+    assert judge(specs, [], 0).ok is True
+    assert judge(specs, [_finding("straggler", [0])], 0).ok is False

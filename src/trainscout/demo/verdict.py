@@ -27,6 +27,10 @@ _EXPECTED_KIND = {
     "commslow": "straggler",
     "corrupt": "sdc",
     "nan": "nonfinite",
+    "delay": "straggler",  # held up inside its forward or its batch fetch, whatever the mechanism
+    "starve": "straggler",  # its CPU shared with busy processes
+    "gradnoise": "sdc",  # a wrong local gradient before the all-reduce
+    "outflip": "sdc",  # a layer that computes wrong on this rank
 }
 # Faults on one rank that the demo, as launched, has no finding to expect for.
 _NOT_JUDGED = {
@@ -38,7 +42,7 @@ _NOT_JUDGED = {
 }
 # Faults that, on every rank at once, leave nobody slower or different than the others: a healthy verdict
 # (the demo's "uniformly slow" and "long pause on all ranks" cases).
-_UNIFORM_IS_CLEAN = ("slow", "pause", "straggle", "dataslow", "ckptslow", "commslow", "gpuslow")
+_UNIFORM_IS_CLEAN = ("slow", "pause", "straggle", "dataslow", "ckptslow", "commslow", "gpuslow", "delay")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,11 @@
 The probe (in every rank process) builds a FaultInjector from TRAINSCOUT_INJECT and calls it at three points:
 after each optimizer step (on_step_end: hangs, GIL spins, crashes, early exits, slowness, pauses), just before
 each Python-level torch.distributed collective (rewrite_collective: desyncs), and right after
-init_process_group (on_init_process_group: the side group a "pg" desync issues on). The injector owns no
-threads and no hooks of its own; where and when it is called is the probe's business.
+init_process_group (on_init_process_group: the side group a "pg" desync issues on). Where and when it is
+called is the probe's business. Faults that must act inside forward, backward or data loading (delay,
+gradnoise, outflip) or beside the rank (starve) are "drills": armed once from on_step_end with the model at
+hand, they install their own hooks, helper threads or child processes and act on their own schedule; the
+injector ticks their clock every step and writes their fault log lines.
 
 Apart from the faults that end or stop the rank by design, nothing here raises into the training script:
 an injector that breaks a job in an unplanned way would be blamed on the detectors. Every fault that fires
@@ -17,7 +20,6 @@ torch is imported inside functions only: this module is loaded in every process 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -26,18 +28,21 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from trainscout.faults.fault_log import FAULT_LOG_ENV, LOG_PREFIX, log_line, record  # noqa: F401 (re-exported)
 from trainscout.faults.spec import ENV_VAR, FaultSpec, format_value, parse_faults
 
-LOG_PREFIX = "trainscout-fault:"
-
-# A file path; when set, every fault that fires appends {"t", "rank", "kind", "step", "params"} as a JSON line.
-FAULT_LOG_ENV = "TRAINSCOUT_FAULT_LOG"
+# Kept importable from here: callers and tests know these names.
+_log = log_line
+_record = record
 
 # Faults driven by the optimizer step; the order says what goes first when several are due at one step:
 # the ones that return (slow, pause) before the ones that never do.
 _STEP_KINDS = ("slow", "straggle", "gpuslow", "dataslow", "ckptslow", "commslow", "pause", "corrupt", "nan",
-               "perturb", "hang", "gil", "crash", "exit")
+               "perturb", "delay", "starve", "gradnoise", "outflip", "hang", "gil", "crash", "exit")
 _EVERY_STEP = ("slow", "straggle", "gpuslow")  # fire at every step from spec.step on; the others fire once
+# Armed once, then they act on their own schedule (faults/schedule.py) from hooks in forward, backward or data
+# loading, or from child processes; the injector ticks their clock every step and writes their fault log lines.
+_DRILL_KINDS = ("delay", "starve", "gradnoise", "outflip")
 
 # Positional parameter names of the torch.distributed functions the probe may wrap (torch 2.13), so an
 # argument can be read or replaced whether the caller passed it by position or by keyword.
@@ -82,36 +87,6 @@ _INPUT_TENSOR: dict[str, str] = {
 
 _REDUCING = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
              "reduce_scatter_single")
-
-
-def _log(message: str) -> None:
-    try:
-        sys.stderr.write(f"{LOG_PREFIX} {message}\n")
-        sys.stderr.flush()
-    except Exception:  # a closed or broken stderr must not turn a log line into a crash
-        pass
-
-
-def _record(rank: int, kind: str, step: int, params: Mapping[str, Any]) -> None:
-    """Append the fault's JSON line to $TRAINSCOUT_FAULT_LOG, before the fault takes effect.
-
-    Callers write it first because a fault may never return (hang, gil) or kill the process (SIGKILL):
-    one os.write on an O_APPEND fd reaches the kernel at once (no Python buffer to lose) and keeps lines
-    from several ranks whole. Never raises: a benchmark's bookkeeping must not change the fault.
-    """
-    try:
-        path = os.environ.get(FAULT_LOG_ENV)
-        if not path:
-            return
-        line = json.dumps({"t": time.time(), "rank": rank, "kind": kind, "step": step, "params": dict(params)},
-                          default=str) + "\n"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-    except Exception:
-        pass
 
 
 class _NotApplicable(Exception):
@@ -237,6 +212,55 @@ def _desync_reduce(call: _Call) -> str:
     return f"op {old} -> {new}"
 
 
+def _build_drill(spec: FaultSpec, start: int, rank: int, model: Any, who: str) -> Any:
+    """The drill object for a kind in _DRILL_KINDS, its schedule starting at `start`; ValueError when it cannot
+    work here (no model, no CUDA)."""
+    if spec.kind == "delay":
+        from trainscout.faults.delay import DelayDrill
+
+        return DelayDrill(spec.params, start, model, who)
+    if spec.kind == "starve":
+        from trainscout.faults.starve import CpuStarver
+
+        return CpuStarver(spec.params, start)
+    if spec.kind == "gradnoise":
+        from trainscout.faults.gradnoise import GradNoiseDrill
+
+        return GradNoiseDrill(spec.params, start, model, rank, who)
+    from trainscout.faults.outflip import OutFlipDrill
+
+    return OutFlipDrill(spec.params, start, model, who)
+
+
+class _ArmedDrill:
+    """An armed drill and its fault-log bookkeeping: the onset once, and every occurrence of an intermittent one."""
+
+    def __init__(self, spec: FaultSpec, drill: Any, who: str) -> None:
+        self.spec, self.drill, self.who = spec, drill, who
+        self.recorded_onset = False
+        self.finished = False
+
+    def tick(self, rank: int, step: int) -> None:
+        schedule = self.drill.schedule
+        if schedule.fires_after(step):  # recorded now, before the iteration in which it acts
+            if schedule.intermittent:
+                _record(rank, self.spec.kind, step, {**self.spec.params, "occurrence": schedule.occurrence(step)})
+            elif not self.recorded_onset:
+                _record(rank, self.spec.kind, step, self.spec.params)
+            self.recorded_onset = True
+        self.drill.on_step(step)
+        if schedule.is_over(step):  # e.g. gradnoise after its count: take the hooks off
+            self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            try:
+                self.drill.close()
+            except Exception as exc:
+                _log(f"{self.who}: cleanup failed: {exc!r}")
+
+
 class FaultInjector:
     """The faults one rank must fire, and the once-only bookkeeping that goes with them."""
 
@@ -250,6 +274,7 @@ class FaultInjector:
         self._side_group: Any = None
         self._fired: set[int] = set()  # indexes into self.specs of one-shot faults already fired
         self._lock = threading.Lock()  # collectives may be issued from several threads
+        self._drills: list[_ArmedDrill] = []
 
     @classmethod
     def from_env(cls, rank: int, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
@@ -295,6 +320,40 @@ class FaultInjector:
             return
         for spec in due:
             self._fire(spec, step)
+        self._tick_drills(step)
+
+    def close(self) -> None:
+        """Undo what the armed drills installed: hooks, patches, helper threads, hog processes, CPU pinning.
+
+        For tests and tools that run several injectors in one process; a training job never needs it (the hog
+        processes also die with the rank on their own)."""
+        for armed in self._drills:
+            armed.close()
+        self._drills = []
+
+    def _arm_drill(self, spec: FaultSpec, step: int) -> None:
+        who = f"rank {self.rank}: {spec.kind}"
+        try:
+            # Scheduled from the step it is armed at: spec.step, or later when the probe attached late (a
+            # step=0 fault is armed at step 1), so a late drill still fires in full rather than not at all.
+            drill = _build_drill(spec, step, self.rank, getattr(self, "_model", None), who)
+            what = drill.arm()
+        except Exception as exc:
+            _log(f"{who}: not fired: {exc}")
+            return
+        self._drills.append(_ArmedDrill(spec, drill, who))
+        _log(f"{who}: {what}")
+
+    def _tick_drills(self, step: int) -> None:
+        """Advance every armed drill's clock to `step`; write the fault log for the iteration about to run."""
+        for armed in list(self._drills):
+            try:
+                armed.tick(self.rank, step)
+            except Exception as exc:  # fail open: this drill stops, training goes on
+                _log(f"{armed.who}: disabled: {exc!r}")
+                armed.close()
+            if armed.finished:
+                self._drills.remove(armed)
 
     def _due_at(self, step: int) -> list[FaultSpec]:
         due: list[tuple[int, FaultSpec]] = []
@@ -325,6 +384,9 @@ class FaultInjector:
 
     def _fire(self, spec: FaultSpec, step: int) -> None:
         kind, params, rank = spec.kind, spec.params, self.rank
+        if kind in _DRILL_KINDS:  # recorded by _tick_drills, once armed, before each iteration it acts in
+            self._arm_drill(spec, step)
+            return
         if kind not in _EVERY_STEP:  # those act every step; they were recorded once, when announced
             _record(rank, kind, step, params)
         if kind == "straggle":
@@ -457,17 +519,10 @@ class FaultInjector:
         """gpuslow: a spin kernel of `ms` on the current CUDA stream (the GPU is slow, the host is not)."""
         import torch
 
-        if not torch.cuda.is_available():
-            return
-        cycles = getattr(self, "_spin_cycles_per_ms", None)
-        if cycles is None:  # calibrate once: clock rates differ between GPUs
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            cycles = self._spin_cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
-        torch.cuda._sleep(int(cycles * float(params["ms"])))
+        from trainscout.faults.blockers import spin_gpu
+
+        if torch.cuda.is_available():
+            spin_gpu(float(params["ms"]))
 
     def on_gathered(self, module: Any, step: int) -> None:
         """Called by the probe between an all-gather and its check: corrupt this receiver's copy once."""

@@ -27,7 +27,7 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
     "desync": {"what": "shape"},
     "slow": {"ms": 50.0},
     "pause": {"seconds": 10.0},
-    "corrupt": {"target": "param", "tensor": "", "how": "bitflip"},
+    "corrupt": {"target": "param", "tensor": "", "how": "bitflip", "frac": 0.0, "factor": 1000.0, "key": ""},
     "nan": {"where": "param", "tensor": ""},
     "perturb": {"layer": "", "eps": 1e-3},
     "straggle": {"factor": 0.3, "every": 1},
@@ -35,14 +35,21 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
     "ckptslow": {"ms": 500.0},
     "commslow": {"ms": 20.0},
     "gpuslow": {"ms": 20.0},
+    "delay": {"ms": 100.0, "every": 1, "layer": "", "how": "sleep"},
+    "starve": {"hogs": 2},
+    "gradnoise": {"scale": 100.0, "count": 1, "layer": "", "how": "tensor"},
+    "outflip": {"factor": -1.0, "layer": "", "how": "hook"},
 }
 KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
 
 CRASH_HOWS = ("kill", "segv", "exception")
 DESYNC_WHATS = ("shape", "dtype", "op", "reduce", "pg")
 CORRUPT_TARGETS = ("param", "state", "gathered")
-CORRUPT_HOWS = ("bitflip", "sign", "scale", "pct1", "pct100")
+CORRUPT_HOWS = ("bitflip", "sign", "scale", "pct1", "pct100", "expflip", "signflip")
 NAN_WHERES = ("param", "grad")
+DELAY_HOWS = ("sleep", "busy", "read", "lock", "gpu", "data")
+GRADNOISE_HOWS = ("tensor", "activation")
+OUTFLIP_HOWS = ("hook", "patch")
 
 _COMMON_KEYS = ("rank", "step")
 
@@ -63,9 +70,12 @@ class FaultSpec:
         """The spec in the form parse_faults reads (round-trips), e.g. for logs and child environments.
 
         The text form names one rank per token, so a spec built in code for several ranks becomes several
-        ``;``-joined tokens.
+        ``;``-joined tokens. Parameters at their default are left out: parsing fills them in again, and an
+        empty default (``tensor=``) is no valid key=value.
         """
-        tail = [f"step={self.step}"] + [f"{k}={format_value(v)}" for k, v in self.params.items()]
+        defaults = _KIND_PARAMS.get(self.kind, {})
+        tail = [f"step={self.step}"] + [f"{k}={format_value(v)}" for k, v in self.params.items()
+                                        if k not in defaults or v != defaults[k]]
         ranks = ["all"] if self.ranks is None else [str(r) for r in self.ranks]
         return ";".join(":".join([self.kind, f"rank={r}", *tail]) for r in ranks)
 
@@ -104,6 +114,37 @@ def _parse_nonneg_float(key: str, text: str, token: str) -> float:
     return value
 
 
+def _parse_positive_float(key: str, text: str, token: str) -> float:
+    value = _parse_nonneg_float(key, text, token)
+    if value == 0:
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} must be > 0")
+    return value
+
+
+def _parse_fraction(key: str, text: str, token: str) -> float:
+    value = _parse_nonneg_float(key, text, token)
+    if value > 1:
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} must be between 0 and 1")
+    return value
+
+
+def _parse_factor(key: str, text: str, token: str) -> float:
+    """A finite multiplier of either sign; 1 is refused: it would change nothing and read as a missed fault."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} must be a finite number")
+    if value == 1:
+        raise ValueError(f"fault spec {token!r}: {key}={text!r} changes nothing; give another factor")
+    return value
+
+
+def _parse_text(key: str, text: str, token: str) -> str:
+    return text
+
+
 def _parse_choice(choices: tuple[str, ...]) -> Callable[[str, str, str], str]:
     def parse(key: str, text: str, token: str) -> str:
         if text not in choices:
@@ -121,10 +162,13 @@ _PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
     ("pause", "seconds"): _parse_nonneg_float,
     ("corrupt", "target"): _parse_choice(CORRUPT_TARGETS),
     ("corrupt", "how"): _parse_choice(CORRUPT_HOWS),
-    ("corrupt", "tensor"): lambda key, text, token: text,
+    ("corrupt", "tensor"): _parse_text,
+    ("corrupt", "frac"): _parse_fraction,
+    ("corrupt", "factor"): _parse_factor,
+    ("corrupt", "key"): _parse_text,
     ("nan", "where"): _parse_choice(NAN_WHERES),
-    ("nan", "tensor"): lambda key, text, token: text,
-    ("perturb", "layer"): lambda key, text, token: text,
+    ("nan", "tensor"): _parse_text,
+    ("perturb", "layer"): _parse_text,
     ("perturb", "eps"): _parse_nonneg_float,
     ("straggle", "factor"): _parse_nonneg_float,
     ("straggle", "every"): lambda key, text, token: _parse_int(key, text, token, minimum=1),
@@ -132,7 +176,30 @@ _PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
     ("ckptslow", "ms"): _parse_nonneg_float,
     ("commslow", "ms"): _parse_nonneg_float,
     ("gpuslow", "ms"): _parse_nonneg_float,
+    ("delay", "ms"): _parse_nonneg_float,
+    ("delay", "every"): lambda key, text, token: _parse_int(key, text, token, minimum=1),
+    ("delay", "layer"): _parse_text,
+    ("delay", "how"): _parse_choice(DELAY_HOWS),
+    ("starve", "hogs"): lambda key, text, token: _parse_int(key, text, token, minimum=1),
+    ("gradnoise", "scale"): _parse_positive_float,
+    ("gradnoise", "count"): lambda key, text, token: _parse_int(key, text, token, minimum=1),
+    ("gradnoise", "layer"): _parse_text,
+    ("gradnoise", "how"): _parse_choice(GRADNOISE_HOWS),
+    ("outflip", "factor"): _parse_factor,
+    ("outflip", "layer"): _parse_text,
+    ("outflip", "how"): _parse_choice(OUTFLIP_HOWS),
 }
+
+
+def _check_corrupt_combination(params: dict, given: set[str], token: str) -> None:
+    """Refuse corrupt parameters that the chosen target or how would silently ignore."""
+    if "key" in given and params["target"] != "state":
+        raise ValueError(f"fault spec {token!r}: key= names an optimizer-state entry; it needs target=state")
+    if "factor" in given and params["how"] != "scale":
+        raise ValueError(f"fault spec {token!r}: factor= is used by how=scale only")
+    if "frac" in given and (params["how"] in ("pct1", "pct100") or params["target"] == "gathered"):
+        raise ValueError(f"fault spec {token!r}: frac= does not apply to how={params['how']} / "
+                         f"target={params['target']}; valid hows with frac: bitflip, sign, scale, expflip, signflip")
 
 
 def _parse_ranks(text: str, token: str) -> tuple[int, ...] | None:
@@ -174,6 +241,8 @@ def parse_fault(token: str) -> FaultSpec:
             step = _parse_int("step", value, token, minimum=0)
         else:
             params[key] = _PARAM_PARSERS[(kind, key)](key, value, token)
+    if kind == "corrupt":
+        _check_corrupt_combination(params, seen, token)
     return FaultSpec(kind=kind, ranks=ranks, step=step, params=params)
 
 
