@@ -100,12 +100,33 @@ def test_a_rank_taking_turns_in_the_slow_pair_is_not_a_straggler(seed):
     found = _feed(det, range(1, 160), WORLD, lambda r, s: 0.010 * (1.5 if slow(r, s) else 1.0),
                   wait=lambda r, s: 0.017 if r == 3 and episode(s) else 0.02, seed=seed, noise=0.05)
     assert found == []
-    # the same rank slow alone is a straggler, named within the 20-step bar
+    # the same rank slow alone is a straggler, named by the mid tier (16-step medians) within 35 steps
     det = StragglerDetector()
     found = _feed(det, range(1, 160), WORLD, lambda r, s: 0.010 * (1.3 if r == 3 and s >= 46 else 1.0),
                   wait=lambda r, s: 0.017 if r == 3 and s >= 46 else 0.02, seed=seed, noise=0.05)
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found][:1] == [([3], "compute")]
-    assert found[0].step - 46 <= 20
+    assert found[0].step - 46 <= 35 and found[0].evidence["basis"].startswith("mid")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_rank_needing_twice_the_compute_is_named_within_ten_steps(seed):
+    det = StragglerDetector()
+    found = _feed(det, range(1, 100), WORLD, lambda r, s: 0.010 * (2.0 if r == 2 and s >= 46 else 1.0),
+                  wait=lambda r, s: 0.005 if r == 2 and s >= 46 else 0.02, seed=seed, noise=0.05)
+    assert [(f.culprit_ranks, f.evidence["type"]) for f in found][:1] == [([2], "compute")]
+    assert found[0].step - 46 <= 10 and "per-step durations" in found[0].evidence["basis"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_twenty_step_episode_of_a_busy_machine_is_not_a_straggler(seed):
+    """Beside a CPU hog a healthy rank's training thread took 1.3-1.52x its peers' CPU time for the same work for
+    ~20 steps, its peers waiting for it (CPU time taken from it counts as its own on a busy virtual machine):
+    neither the fast tier (60 %) nor the mid tier (22 of 24 evaluations of 16-step medians) names it."""
+    det = StragglerDetector()
+    episode = lambda r, s: r == 1 and 130 <= s < 150  # noqa: E731
+    found = _feed(det, range(1, 220), WORLD, lambda r, s: 0.010 * (1.5 if episode(r, s) else 1.0),
+                  wait=lambda r, s: 0.015 if episode(r, s) else 0.02, seed=seed, noise=0.05)
+    assert found == []
 
 
 @pytest.mark.parametrize("world", [(0, 1), WORLD])

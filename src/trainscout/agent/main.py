@@ -38,6 +38,7 @@ class Agent:
         self.number = 0
         self.stop = threading.Event()
         self._send_lock = threading.Lock()
+        self.devices = None  # DeviceSampler (NVML), made at the first digest with ranks
 
     def send(self, msg) -> bool:
         with self._send_lock:  # zmq sockets are not thread-safe; stack threads send too
@@ -56,7 +57,17 @@ class Agent:
     def digest(self) -> NodeDigest:
         self.number += 1
         ranks = [s for s in (v.state() for v in self.views.values()) if s is not None]
-        return NodeDigest(node_id=self.node_id, host=self.host, number=self.number, ranks=ranks)
+        devices = []
+        if self.devices is None and ranks:  # started once ranks exist: NVML costs a job without GPUs nothing
+            from trainscout.agent.device_health import DeviceSampler
+
+            self.devices = DeviceSampler()
+        if self.devices is not None and self.devices.enabled:
+            try:
+                devices = self.devices.sample()
+            except Exception:
+                devices = []  # the sampler fails open; one bad read must not cost the digest
+        return NodeDigest(node_id=self.node_id, host=self.host, number=self.number, ranks=ranks, devices=devices)
 
     def handle(self, cmd: Command) -> None:
         if cmd.kind == "dump_stacks":
@@ -64,6 +75,12 @@ class Agent:
                 view = self.views.get(rank)
                 if view is not None and view.pid:
                     threading.Thread(target=self._dump_stack, args=(cmd.request_id, view), daemon=True).start()
+        elif cmd.kind == "profile":
+            seconds = float(cmd.payload or 2.0)
+            for rank in cmd.ranks:
+                view = self.views.get(rank)
+                if view is not None and view.pid:
+                    threading.Thread(target=self._profile, args=(cmd.request_id, view, seconds), daemon=True).start()
         elif cmd.kind == "fetch_records":
             for rank in cmd.ranks:
                 view = self.views.get(rank)
@@ -83,6 +100,11 @@ class Agent:
         method, text = stacks.capture(view.pid, self.run_id, view.rank, prefer=self.stack_method)
         self.send(StackReport(node_id=self.node_id, request_id=request_id, rank=view.rank, pid=view.pid,
                               method=method, text=text))
+
+    def _profile(self, request_id: int, view: RankView, seconds: float) -> None:
+        method, text = stacks.profile(view.pid, seconds)
+        self.send(StackReport(node_id=self.node_id, request_id=request_id, rank=view.rank, pid=view.pid,
+                              method=method, text=_main_thread_only(text, view.pid)))
 
     def _abort(self) -> None:
         pids = [v.pid for v in self.views.values() if v.pid and v.exit is None]
@@ -138,6 +160,19 @@ class Agent:
         self.send(Goodbye(node_id=self.node_id, reason="agent stopping"))
         time.sleep(0.2)  # let the last frames leave before the socket closes
         self.endpoint.close()
+
+
+def _main_thread_only(collapsed: str, pid: int, limit: int = 400) -> str:
+    """The rank's main (training) thread's lines of a collapsed profile, most sampled first, at most `limit`."""
+    mine = f"thread ({pid})"
+    lines = [line for line in collapsed.splitlines() if line.startswith(mine)]
+    lines.sort(key=lambda line: -_samples(line))
+    return "\n".join(lines[:limit])
+
+
+def _samples(line: str) -> int:
+    count = line.rpartition(" ")[2]
+    return int(count) if count.isdigit() else 0
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -8,11 +8,13 @@ import time
 from collections import deque, namedtuple
 from itertools import islice
 
+import numpy as np
 import psutil
 
-from trainscout.channel.layout import RECORD_DTYPE, pg_table_path, tensor_table_path
+from trainscout.channel.layout import RECORD_DTYPE, evidence_table_path, pg_table_path, tensor_table_path
 from trainscout.channel.reader import ChannelReader
 from trainscout.probe import protocol
+from trainscout.probe.local_evidence import EVIDENCE_PG_INDEX, NORMS_PER_RECORD, loss_from_bits, unpack_header
 from trainscout.probe.nonfinite import NONFINITE_PG_INDEX
 from trainscout.probe.replay import REPLAY_PG_INDEX
 from trainscout.probe.state_check import STATE_PG_INDEX
@@ -23,6 +25,7 @@ from trainscout.wire.messages import (
     CollectiveRecord,
     LinkRecord,
     NonFiniteEvent,
+    NumericRecord,
     PgState,
     RankExit,
     RankState,
@@ -137,6 +140,10 @@ class RankView:
         self._links_out: list[LinkRecord] = []
         self.io_sites: dict[str, str] = {}
         self.nonfinite: list[NonFiniteEvent] = []
+        self.numeric_layers: list[str] = []
+        self._evidence_version = -1
+        self._numerics_out: list[NumericRecord] = []
+        self._norm_parts: dict[int, tuple[float, np.ndarray, int]] = {}  # step -> (loss, norms, filled)
 
     def refresh(self) -> None:
         if not self.reader.ready():
@@ -183,6 +190,9 @@ class RankView:
             return
         if idx == STEP_PG_INDEX:
             self._ingest_step(rec)
+            return
+        if idx == EVIDENCE_PG_INDEX:
+            self._ingest_evidence(rec)
             return
         if idx == REPLAY_PG_INDEX:
             layer, _, params = rec.desc.decode(errors="replace").partition("|")
@@ -231,7 +241,7 @@ class RankView:
             self._links_out.append(LinkRecord(request_id=rec.seq, step=rec.step, seconds=seconds))
             return
         times, _, groups = desc.partition("|")
-        us = [int(x) for x in times.split(":")] + [0, 0, 0, -1, -1]  # older probes send fewer fields
+        us = [int(x) for x in times.split(":")] + [0, 0, 0, -1, -1, -1]  # older probes send fewer fields
         pg_wait = {}
         for part in filter(None, groups.split(",")):
             name, _, t = part.rpartition("=")
@@ -241,7 +251,45 @@ class RankView:
             data_s=us[0] / 1e6, ckpt_s=us[1] / 1e6, wait_s=us[2] / 1e6,
             gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], GPU_UNMEASURED)),
             gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], GPU_UNMEASURED)),
-            pg_wait=pg_wait))
+            pg_wait=pg_wait, runq_s=us[5] / 1e6 if us[5] >= 0 else -1.0))
+
+    def _ingest_evidence(self, rec) -> None:
+        """A step's loss and layer norms; a large model's norms come in several records (parts)."""
+        part, count, version = unpack_header(rec.rolling_hash)
+        loss = loss_from_bits(rec.entry_hash)
+        if version != self._evidence_version:
+            self._load_evidence_table()
+        layers = len(self.numeric_layers)
+        if count == 0 or version != self._evidence_version or not layers:
+            self._numerics_out.append(NumericRecord(step=rec.step, loss=loss))
+            return
+        loss_seen, norms, filled = self._norm_parts.pop(rec.step, (loss, None, 0))
+        if norms is None:
+            norms = np.full(layers, np.nan, dtype=np.float32)
+        start = part * NORMS_PER_RECORD
+        # numpy's bytes fields drop trailing zero bytes (a norm of 0.0 ends in them): pad back
+        values = np.frombuffer(rec.desc.ljust(4 * count, b"\0")[:4 * count], dtype="<f4")
+        norms[start:start + count] = values[: max(0, layers - start)]
+        filled += count
+        if filled >= layers:
+            self._numerics_out.append(NumericRecord(step=rec.step, loss=loss_seen, norms=norms.tolist()))
+        else:
+            self._norm_parts[rec.step] = (loss_seen, norms, filled)
+            for old in [s for s in self._norm_parts if s < rec.step - 64]:  # a part that never came
+                del self._norm_parts[old]
+
+    def _load_evidence_table(self) -> None:
+        try:
+            with open(evidence_table_path(self.run_id, self.rank)) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            return
+        self._evidence_version = int(doc.get("version", -1))
+        self.numeric_layers = [str(x) for x in doc.get("layers", [])]
+
+    def take_numerics(self) -> list[NumericRecord]:
+        out, self._numerics_out = self._numerics_out, []
+        return out
 
     def _ingest_state(self, rec) -> None:
         tid = rec.seq
@@ -360,7 +408,7 @@ class RankView:
             replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
             replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period,
             state_slots=self.state_slots, replay_layers=self.replay_layers, io_sites=dict(self.io_sites),
-            links=self.take_links(),
+            links=self.take_links(), numerics=self.take_numerics(), numeric_layers=self.numeric_layers,
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 from trainscout.channel.layout import stack_path
@@ -27,6 +28,32 @@ def capture(pid: int, run_id: str, rank: int, timeout_s: float = 5.0, prefer: st
     if text:
         return "faulthandler", text
     return "none", ""
+
+
+def profile(pid: int, seconds: float = 2.0, rate: int = 100) -> tuple[str, str]:
+    """(method, collapsed stacks) of a live rank sampled for `seconds` at `rate` Hz from outside the process,
+    sleeping and blocked threads included (`--idle`: a rank slowed by a sleep or a blocking read must show
+    where it sleeps), without pausing it (`--nonblocking`). ("none", "") where py-spy cannot run."""
+    exe = shutil.which("py-spy") or _beside_python("py-spy")
+    if exe is None:
+        return "none", ""
+    fd, path = tempfile.mkstemp(prefix="trainscout-profile-", suffix=".txt")
+    os.close(fd)
+    try:
+        cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
+               "--format", "raw", "--nonblocking", "--idle", "--threads", "-o", path]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 10)
+        if done.returncode != 0:
+            return "none", ""
+        with open(path) as fh:
+            return "py-spy-record", fh.read()
+    except (subprocess.TimeoutExpired, OSError):
+        return "none", ""
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _py_spy(pid: int, timeout_s: float) -> str:

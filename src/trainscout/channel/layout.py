@@ -90,6 +90,11 @@ def tensor_table_path(run_id: str, rank: int) -> str:
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.tensors.json")
 
 
+def evidence_table_path(run_id: str, rank: int) -> str:
+    """Sidecar JSON naming the layers whose gradient norms the rank's evidence records carry."""
+    return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}{rank}.evidence.json")
+
+
 def link_probe_request_path(run_id: str) -> str:
     """Node-wide JSON the agent writes when the coordinator schedules a link probe (communication stragglers)."""
     return os.path.join(SHM_DIR, f"{channel_prefix(run_id)}linkprobe.json")

@@ -67,13 +67,13 @@ class ChannelWriter:
             spec[1].pack_into(self._mm, spec[0], int(value))
 
     def append(self, pg_index: int, seq: int, entry_hash: int, rolling_hash: int, wall_ns: int,
-               step: int, op: str, desc: str) -> None:
+               step: int, op: str, desc: str | bytes) -> None:
         off = HEADER_BYTES + (self._head % RING_SLOTS) * RECORD_DTYPE.itemsize
         mm = self._mm
         lock = (_LOCK.unpack_from(mm, off)[0] + 1) | 1
         _LOCK.pack_into(mm, off, lock)  # odd: being written
         _PAYLOAD.pack_into(mm, off + _LOCK.size, pg_index, seq, entry_hash, rolling_hash, wall_ns, step,
-                           op.encode()[:24], desc.encode()[:120])
+                           op.encode()[:24], (desc if isinstance(desc, bytes) else desc.encode())[:120])
         _LOCK.pack_into(mm, off, lock + 1)  # even: complete
         self._head += 1
         _RING_HEAD.pack_into(mm, _RING_HEAD_AT, self._head)

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
+from trainscout.detectors.device_health import DeviceHealthDetector, GpuSample
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
 from trainscout.detectors.nonfinite import NonFiniteDetector
@@ -29,11 +30,13 @@ from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector, Suspect
 from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors.straggler import StragglerDetector
+from trainscout.detectors.where_time_goes import where_time_goes
 from trainscout.findings import HPZ_RACE
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
+from trainscout.sinks.evidence_log import EvidenceLog
 from trainscout.wire.endpoints import CoordinatorEndpoint
 from trainscout.wire.messages import (
     Command,
@@ -46,6 +49,7 @@ from trainscout.wire.messages import (
 )
 
 ROOT_KINDS = {HANG, DESYNC, CRASH, EARLY_EXIT, STALL}
+PROFILED = {"blocked", "starved", "compute"}  # straggler types whose finding says where the time goes
 INTEGRITY_KINDS = {SDC, NONFINITE, HEALTH, HPZ_RACE}
 
 
@@ -54,6 +58,22 @@ class PendingStacks:
     finding: Finding
     waiting: set[int]
     deadline: float
+
+
+@dataclass
+class PendingProfile:
+    """A straggler finding held while the agents sample where its culprit's time goes (and its peers')."""
+
+    finding: Finding
+    culprit: int
+    peers: list[int]
+    waiting: set[int]
+    deadline: float
+    reports: dict[int, str] = field(default_factory=dict)
+
+
+PROFILE_S = 2.0  # seconds of stack samples taken of a straggler and its peers
+PROFILE_PEERS = 2
 
 
 @dataclass
@@ -77,6 +97,7 @@ class Coordinator:
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
+        self.evidence_log = EvidenceLog(os.path.join(run_dir, "evidence.jsonl"))
         self.hang = HangDetector(hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s)
         self.desync = DesyncDetector()
         self.exits = ExitDetector(blocked_s=hang_timeout_s)
@@ -86,6 +107,9 @@ class Coordinator:
         self.replay = ReplayDetector()
         # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
         self.straggler = StragglerDetector(gpu_compute=os.environ.get("TRAINSCOUT_GPU_STRAGGLERS", "1") != "0")
+        self.devices = DeviceHealthDetector()
+        self.rank_gpu: dict[int, str] = {}  # rank -> "host:gpu index" of the GPU its process runs on (NVML)
+        self._devices_new = False
         self.topology = TopologyTracker()
         self._topology_key = ""  # the groups last judged, once their line is shown (see _track_topology)
         self.topology_file = os.path.join(run_dir, "topology.json")
@@ -104,6 +128,7 @@ class Coordinator:
         self.findings: list[Finding] = []
         self.pending_stacks: dict[int, PendingStacks] = {}
         self.pending_fetch: dict[int, PendingFetch] = {}
+        self.pending_profiles: dict[int, PendingProfile] = {}
         self.request_ids = itertools.count(1)
         self.aborting = False
         self.root_found = False
@@ -123,6 +148,7 @@ class Coordinator:
             node["agent"] = True  # the supervisor's one-off launcher report is not an agent
         if isinstance(msg, NodeDigest):
             node["host"] = msg.host
+            self._take_devices(msg, now)
             for st in msg.ranks:
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
                 self.rank_node[st.rank] = identity
@@ -138,6 +164,8 @@ class Coordinator:
                     self._step_walls.extend(r.wall_s for r in st.steps if r.wall_s > 0)
                 if st.links:
                     self.straggler.add_links(st.rank, st.links, now)
+                if st.steps or st.numerics:
+                    self.evidence_log.write(st.rank, st.steps, st.numerics, st.numeric_layers, len(self.ranks))
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
             top = max(o.state.step for o in self.ranks.values()) if self.ranks else 0
@@ -159,6 +187,42 @@ class Coordinator:
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
 
     _seen_errors: set = set()
+
+    def _take_devices(self, msg: NodeDigest, now: float) -> None:
+        """The node's GPU readings: to the device-health detector, and which rank's process runs on which GPU."""
+        if not msg.devices:
+            return
+        pid_rank = {st.pid: st.rank for st in msg.ranks}
+        for reading in msg.devices:
+            key = f"{msg.host}:gpu{reading.index}"
+            self.devices.add(GpuSample.from_reading(key, reading), now)
+            for pid in reading.pids:
+                if pid in pid_rank:
+                    self.rank_gpu[pid_rank[pid]] = key
+        self._devices_new = True
+
+    def _device_findings(self, now: float, live: set[int]) -> list[Finding]:
+        """GPUs that deviate from the GPUs of their replica class, and device error events (NVML)."""
+        if not self._devices_new:
+            return []
+        self._devices_new = False
+        classes: dict[str, list[str]] = {}
+        placed: set[str] = set()
+        for r in sorted(live):
+            gpu, group = self.rank_gpu.get(r), self.ranks[r].state.replica_group if r in self.ranks else None
+            if gpu is None or group is None or gpu in placed:
+                continue
+            placed.add(gpu)
+            classes.setdefault(group, []).append(gpu)
+        out = []
+        for obs in self.devices.update(list(classes.values()), now):
+            ranks = sorted(r for r, g in self.rank_gpu.items() if g == obs.gpu)
+            out.append(Finding(kind=HEALTH, summary=obs.summary, culprit_ranks=ranks if obs.attributable else [],
+                               status="attributed" if obs.attributable else "inconclusive",
+                               confidence=0.9 if obs.attributable else 0.4, devices=[obs.gpu],
+                               pg=f"device:{obs.gpu}",
+                               evidence={"type": obs.kind, "gpu": obs.gpu, **obs.evidence}))
+        return out
 
     def _probe_error(self, rank: int, err: str) -> None:
         if (rank, err) not in self._seen_errors:
@@ -187,7 +251,8 @@ class Coordinator:
         replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
         for f in (self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks)
                   + self.hpz.update(now, live)
-                  + self.replay.update(now, replicas) + self._stragglers(now, live)):
+                  + self.replay.update(now, replicas) + self._stragglers(now, live)
+                  + self._device_findings(now, live)):
             self.emit(f, now)
         if self.root_found:
             self.exits.done = True  # later exits follow from the fault already named
@@ -245,7 +310,11 @@ class Coordinator:
             self.endpoint.send(ident, Command(kind="trust", request_id=next(self.request_ids), payload=payload))
 
     def _stragglers(self, now: float, live: set[int]) -> list[Finding]:
-        findings = self.straggler.update(now, live)
+        findings = []
+        for f in self.straggler.update(now, live):
+            if f.culprit_ranks and f.evidence.get("type") in PROFILED and self._start_profile(f, live, now):
+                continue  # emitted once the samples are in (_flush_due)
+            findings.append(f)
         for f in findings:  # a stall names where the training code waits: the call site the probe saw
             where = {"data_loading": "data", "checkpoint_write": "ckpt"}.get(f.evidence.get("type"))
             for r in f.culprit_ranks if where else ():
@@ -256,6 +325,41 @@ class Coordinator:
         if wanted is not None:
             self._schedule_link_probe(now, *wanted)
         return findings
+
+    def _start_profile(self, finding: Finding, live: set[int], now: float) -> bool:
+        """Sample the culprit's and some peers' stacks over the same seconds (agents, py-spy); the finding waits
+        for them. False when no agent could be asked (then it is emitted as it is)."""
+        culprit = finding.culprit_ranks[0]
+        peers = [r for r in sorted(live) if r != culprit][:PROFILE_PEERS]
+        rid = next(self.request_ids)
+        by_node: dict[bytes, list[int]] = {}
+        for r in [culprit, *peers]:
+            if r in self.rank_node:
+                by_node.setdefault(self.rank_node[r], []).append(r)
+        sent: set[int] = set()
+        for ident, ranks in by_node.items():
+            if self.endpoint.send(ident, Command(kind="profile", request_id=rid, ranks=ranks, payload=str(PROFILE_S))):
+                sent.update(ranks)
+        if culprit not in sent:
+            return False
+        finding.first_seen = time.time()
+        self.pending_profiles[rid] = PendingProfile(finding, culprit, peers, sent, now + PROFILE_S + 4.0)
+        self.events.write("profile_requested", ranks=sorted(sent), culprit=culprit, request=rid)
+        return True
+
+    def _finish_profile(self, p: PendingProfile) -> Finding:
+        """Say where the culprit's extra time goes, from its samples set against its peers'."""
+        f = p.finding
+        slow = p.reports.get(p.culprit, "")
+        where = where_time_goes(slow, [p.reports[r] for r in p.peers if r in p.reports])
+        if where is not None:
+            f.evidence["where"] = where.frame
+            f.evidence["where_share"] = round(where.share, 3)
+            f.stacks[str(p.culprit)] = "[sampled, against its peers]\n" + where.line()
+            f.summary += f"; its time goes to {where.frame}"
+        elif slow:
+            f.stacks[str(p.culprit)] = "[sampled]\n" + "\n".join(slow.splitlines()[:8])
+        return f
 
     def _schedule_link_probe(self, now: float, pg: str, members: list[int], before_s: float, now_s: float) -> None:
         """Collectives of `pg` slowed on every member: have the members time exchanges with each other at a
@@ -342,6 +446,11 @@ class Coordinator:
         self.events.write("suspect", finding_kind=suspect.finding.kind, ranks=suspect.finding.culprit_ranks, request=rid)
 
     def _on_stack(self, msg: StackReport, now: float) -> None:
+        profile = self.pending_profiles.get(msg.request_id)
+        if profile is not None:
+            profile.reports[msg.rank] = msg.text
+            profile.waiting.discard(msg.rank)
+            return
         pending = self.pending_stacks.get(msg.request_id)
         if pending is None:
             return
@@ -379,6 +488,10 @@ class Coordinator:
                     self.events.write("suspect_dropped", request=rid, reason="an agent went silent meanwhile")
                     continue
                 self.emit(p.finding, now)
+        for rid, pp in list(self.pending_profiles.items()):
+            if not pp.waiting or now >= pp.deadline:
+                del self.pending_profiles[rid]
+                self.emit(self._finish_profile(pp), now)
         for rid, p in list(self.pending_fetch.items()):
             if not p.waiting or now >= p.deadline:
                 del self.pending_fetch[rid]
@@ -411,7 +524,13 @@ class Coordinator:
         if not f.pids:
             f.pids = [o.state.pid for o in obs]
         if not f.devices:
-            f.devices = [f"local_rank {o.state.local_rank}" for o in obs]
+            f.devices = [self.rank_gpu.get(r, f"local_rank {self.ranks[r].state.local_rank}")
+                         for r in f.culprit_ranks if r in self.ranks]
+        for r in f.culprit_ranks:  # what the culprit's GPU looked like when the finding was made
+            gpu = self.rank_gpu.get(r)
+            text = self.devices.summary(gpu) if gpu is not None else None
+            if text:
+                f.evidence.setdefault("device", {})[str(r)] = text
 
     def abort(self, reason: str) -> None:
         self.aborting = True
@@ -467,12 +586,15 @@ class Coordinator:
         self.detect(now)
         for p in list(self.pending_stacks.values()) + []:
             p.deadline = now
+        for pp in self.pending_profiles.values():
+            pp.deadline = now
         for p in self.pending_fetch.values():
             p.deadline = now
         self._flush_due(now)
         self.events.write("straggler_trace", steps=self.straggler.trace_rows(), waits="per-step")
         self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected),
                           state_ranges_compared=self.state.compared, replays_compared=self.replay.replays_compared)
+        self.evidence_log.close()
         self.endpoint.close()
 
 

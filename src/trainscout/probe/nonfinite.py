@@ -60,8 +60,16 @@ MAX_STRIDE = 64  # the CPU gradient test runs at least every 64 steps, whatever 
 
 
 class NonFiniteCheck:
-    def __init__(self, append, get_step, on_error=None, on_cpu=None, budget: float = 0.001) -> None:
+    def __init__(self, append, get_step, on_error=None, on_cpu=None, budget: float = 0.001,
+                 evidence=None) -> None:
         self.append = append
+        # per-step numerical evidence (probe/local_evidence.py): with it, the gradient pass runs every step and
+        # measures each gradient's sum of squares, from which the non-finite test follows
+        self.evidence = evidence
+        self._hook_sumsq = np.zeros(0)  # bucket-view DDP (CPU): sums of squares from per-gradient hooks
+        self._hook_names: list[str] = []
+        self._device_hook_names: list[str] = []  # bucket-view DDP (CUDA): gradients normed in their hooks
+        self._evidence_pos: dict[str, int] = {}  # parameter name -> its place in the evidence's list
         self.get_step = get_step
         self.on_error = on_error  # (text) -> None: a failed CUDA check disables itself and says why
         self.reports = 0
@@ -117,10 +125,16 @@ class NonFiniteCheck:
         queued at the start of the pass; a CUDA pass queues its own."""
         device = loss.device
         if device.type == "cpu":
-            if not math.isfinite(loss.item()):  # a scalar on the host: no tensor ops needed
+            value = loss.item()  # a scalar on the host: no tensor ops needed
+            if not math.isfinite(value):
                 self._report("loss", "")
-            self._cpu_due = due = (self.get_step() + 1) % self.stride == 0
-            self._cpu_armed = due and bool(self._cpu_params)
+            if self.evidence is not None:
+                self.evidence.add_loss(value)
+                self._cpu_due = due = True  # the evidence is per step
+                self._hook_sumsq[:] = 0.0
+            else:
+                self._cpu_due = due = (self.get_step() + 1) % self.stride == 0
+            self._cpu_armed = due and bool(self._cpu_params or self._hook_names)
         elif device.type == "cuda" and self._device_ok:
             try:
                 self._arm(loss)
@@ -163,6 +177,7 @@ class NonFiniteCheck:
                 name = names.get(id(p), "")
                 if bucket_views:
                     p.register_post_accumulate_grad_hook(self._bucket_view_hook(name))
+                    self._device_hook_names.append(name)
                 else:
                     self._device_params.append(p)
                     self._device_names.append(name)
@@ -175,17 +190,32 @@ class NonFiniteCheck:
                 self._cpu_params.append(p)
                 self._cpu_names.append(name)
                 continue
+            index = len(self._hook_names)
+            self._hook_names.append(name)
+            self._hook_sumsq = np.zeros(len(self._hook_names))
 
-            def hook(param, name=name):
-                # One cheap op per gradient, before DDP reduces it: NaN/Inf anywhere makes the sum
-                # non-finite. The sums are judged together once per step (check_step).
+            def hook(param, name=name, index=index):
+                # DDP reduces bucket views in place while backward runs: read each gradient here, before DDP
+                # marks it ready. NaN/Inf anywhere makes the sum non-finite; judged once per step.
                 try:
                     if self._cpu_due and param.grad is not None:
-                        self._sums.append((name, param.grad.detach().sum()))
+                        if self.evidence is not None:
+                            import torch
+
+                            value = _sumsq(param.grad)  # NaN marks a gradient holding NaN/Inf (not an overflow)
+                            if not math.isfinite(value) and _holds_nonfinite(torch, param.grad):
+                                value = math.nan
+                            self._hook_sumsq[index] = value
+                        else:
+                            self._sums.append((name, param.grad.detach().sum()))
                 except Exception:
                     pass
 
             p.register_post_accumulate_grad_hook(hook)
+        if self.evidence is not None:
+            names = self._hook_names + self._cpu_names or self._device_names + self._device_hook_names
+            self.evidence.set_params(names)
+            self._evidence_pos = {n: i for i, n in enumerate(names)}
 
     def check_step(self, step_wall_s: float = 0.0) -> None:
         """Called after the optimizer step: report the first gradient whose local sum was not finite, and,
@@ -253,9 +283,11 @@ class NonFiniteCheck:
             import torch
 
             grads = list(map(_GRAD, self._cpu_params))
+            if self.evidence is not None:
+                self._cpu_evidence(torch, grads)
             # NaN/Inf anywhere makes the sum of all elements non-finite; only then is each gradient tested,
             # so a finite sum that overflowed names nothing.
-            if not self._cpu_finite(torch, grads):
+            elif not self._cpu_finite(torch, grads):
                 bad = next((n for n, g in zip(self._cpu_names, grads)
                             if g is not None and _holds_nonfinite(torch, g)), None)
                 if bad is not None:
@@ -272,6 +304,21 @@ class NonFiniteCheck:
             self._adapt_stride()
         if self.on_cpu is not None:
             self.on_cpu(time.thread_time() - c0)
+
+    def _cpu_evidence(self, torch, grads: list) -> None:
+        """Every step: each gradient's sum of squares (one BLAS dot per gradient, cold after backward) for the
+        layer norms the coordinator compares across replicas; NaN/Inf makes a sum non-finite, and only then is
+        that gradient tested element by element (a finite sum that overflowed names nothing)."""
+        sums = cpu_sums_of_squares(torch, grads)
+        if self._hook_names:
+            sums = np.concatenate([self._hook_sumsq, sums])
+        self.evidence.add_sumsq(sums)
+        names, hooked = self._hook_names + self._cpu_names, len(self._hook_names)
+        for i in np.flatnonzero(~np.isfinite(sums)):
+            # a bucket view was tested in its hook (NaN marks a real NaN/Inf); the others are tested now
+            if math.isnan(sums[i]) if i < hooked else _holds_nonfinite(torch, grads[i - hooked]):
+                self._report("grad", names[i])
+                break
 
     def _adapt_stride(self) -> None:
         """The stride for the median of the last tests' costs (probe/budget.py); 1 at a budget of 1 or more."""
@@ -333,7 +380,8 @@ class NonFiniteCheck:
             if self._bucket_norms:
                 named, self._bucket_norms = self._bucket_norms, []
                 self._submit(step, loss, [n for _, n in named], tuple(name for name, _ in named), norms=True)
-            elif not (self._counts_ok and self._submit_counts(step, loss)):
+            # the counting kernel gives no norms: with per-step evidence the norm path serves
+            elif self.evidence is not None or not (self._counts_ok and self._submit_counts(step, loss)):
                 grads = [p.grad for p in self._device_params]
                 names = self._device_names
                 if any(g is None for g in grads):
@@ -354,14 +402,14 @@ class NonFiniteCheck:
                 if param.grad is not None and self._armed is not None:
                     import torch
 
-                    self._bucket_norms.append((name, torch.linalg.vector_norm(param.grad, 1, dtype=torch.float32)))
+                    self._bucket_norms.append((name, torch.linalg.vector_norm(param.grad, 2, dtype=torch.float64)))
             except Exception as exc:
                 self._disable(exc)
 
         return hook
 
     def _submit(self, step: int, loss, grads: list, names: tuple, norms: bool = False) -> None:
-        """Enqueue [loss, |g_1|_1, ...] into a device vector and its copy to pinned memory; no sync."""
+        """Enqueue [loss, |g_1|_2, ...] into a device vector and its copy to pinned memory; no sync."""
         import torch
 
         if self._results is None:
@@ -374,7 +422,7 @@ class NonFiniteCheck:
         try:
             parts = [loss.reshape(()).float()]
             if grads and not norms:
-                parts += _l1_norms(grads)
+                parts += _l2_norms(grads)
             elif grads:
                 parts += grads
             torch.stack(parts, out=slot.device[: len(parts)])
@@ -462,6 +510,8 @@ class NonFiniteCheck:
             if grads.size:
                 self._report_at(step, "grad", names[int(grads.min()) - 1])
             return
+        if self.evidence is not None:
+            self._device_evidence(step, names, values)
         if np.isfinite(values).all():
             return
         values = [float(v) for v in values]
@@ -471,6 +521,17 @@ class NonFiniteCheck:
             if not math.isfinite(v):
                 self._report_at(step, "grad", name)
                 break
+
+    def _device_evidence(self, step: int, names, values) -> None:
+        """A CUDA step's landed [loss, L2 norm per gradient] as the step's evidence (a few steps late)."""
+        pos = self._evidence_pos
+        norms = np.asarray(values[1:], dtype=np.float64)
+        sumsq = np.zeros(len(pos))
+        for name, n in zip(names, norms):
+            i = pos.get(name)
+            if i is not None:
+                sumsq[i] = n * n
+        self.evidence.emit_values(step, float(values[0]), sumsq)
 
     def _disable(self, exc: BaseException) -> None:
         self._device_ok = False
@@ -487,14 +548,15 @@ def _middle(values) -> float:
     return ordered[len(ordered) // 2]
 
 
-def _l1_norms(grads: list) -> list:
-    """One fused launch per dtype group: float32 L1 norms (NaN/Inf anywhere makes a norm non-finite)."""
+def _l2_norms(grads: list) -> list:
+    """One fused launch per dtype group: L2 norms accumulated in float64, so a finite gradient does not
+    overflow its sum of squares (NaN/Inf anywhere makes a norm non-finite)."""
     import torch
 
     try:
-        return list(torch._foreach_norm(grads, 1, dtype=torch.float32))
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float64))
     except (TypeError, RuntimeError):  # older signature without dtype
-        return [n.float() for n in torch._foreach_norm(grads, 1)]
+        return [n.double() for n in torch._foreach_norm(grads, 2)]
 
 
 FLAT_MAX_BYTES = 64 << 20  # above this the sums are memory-bound, dispatch is noise: no second copy of the gradients
@@ -513,6 +575,38 @@ def _flat_buffer(torch, params: list):
         views.append(flat[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
     return flat, views
+
+
+def cpu_sums_of_squares(torch, grads: list) -> np.ndarray:
+    """Each CPU gradient's sum of squares (0 for a missing one; NaN/Inf propagate), in one fused call: the
+    per-tensor alternatives (numpy dots over .numpy() views, a torch.dot each) cost as much or more on the
+    demo's 29 gradients (~160-190 us a step, cold after backward), most of it per-tensor dispatch."""
+    present = [g for g in grads if g is not None]
+    try:
+        norms = torch.stack(torch._foreach_norm(present)).double().numpy() if present else np.zeros(0)
+    except (RuntimeError, NotImplementedError, TypeError):  # e.g. a sparse gradient
+        norms = np.fromiter((math.sqrt(_sumsq(g)) for g in present), dtype=np.float64, count=len(present))
+    sums = norms * norms
+    if len(present) == len(grads):
+        return sums
+    out = np.zeros(len(grads))
+    out[[i for i, g in enumerate(grads) if g is not None]] = sums
+    return out
+
+
+def _sumsq(grad) -> float:
+    """The sum of squares of a CPU gradient's elements (NaN/Inf propagate). float32/float64 dense gradients go
+    through numpy's BLAS dot, a third of the cost of torch's per-tensor dispatch on small tensors."""
+    if grad.is_sparse:
+        grad = grad.coalesce().values()
+    import torch
+
+    g = grad.detach()
+    if (g.dtype is torch.float32 or g.dtype is torch.float64) and g.is_contiguous():
+        a = g.numpy().reshape(-1)
+        return float(np.dot(a, a))
+    x = g.reshape(-1).float()
+    return float(torch.dot(x, x))
 
 
 def _holds_nonfinite(torch, grad) -> bool:

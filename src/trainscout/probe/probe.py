@@ -22,6 +22,7 @@ from trainscout.probe import hpz_fix
 from trainscout.probe.hpz_check import HpzCheck
 from trainscout.probe.import_hooks import hooks
 from trainscout.probe.link_probe import LinkProbe
+from trainscout.probe.local_evidence import LocalEvidence
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
 from trainscout.probe.replay import Replay
@@ -55,10 +56,14 @@ class Probe:
                                           period=_env_number("TRAINSCOUT_STATE_PERIOD", 0))
         self.timing = StepTiming(self.publisher.append_locked)
         self.nonfinite = None
+        self.evidence = None  # per-step loss and layer gradient norms, measured in the non-finite check's pass
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
+            if os.environ.get("TRAINSCOUT_EVIDENCE", "1") != "0":
+                self.evidence = LocalEvidence(self.publisher.append_locked, run_id, rank)
             self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error,
                                             on_cpu=self.timing.exclude_cpu,
-                                            budget=_env_number("TRAINSCOUT_NONFINITE_BUDGET", 0.001))
+                                            budget=_env_number("TRAINSCOUT_NONFINITE_BUDGET", 0.001),
+                                            evidence=self.evidence)
         self.gather_check = None
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
@@ -385,6 +390,8 @@ class Probe:
     def _checks_after_step(self, optimizer) -> None:
         if self.nonfinite is not None:
             self.nonfinite.check_step(self.timing.last_wall_s)
+        if self.evidence is not None:
+            self.evidence.emit(self.step)
         if self.step == 1 and self.nonfinite is not None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self.nonfinite.hook_params(params, self.param_names)

@@ -13,7 +13,13 @@ Measured per optimizer step, all as durations on this rank's own clocks:
   GPU time from the step's start to the end of backward (CUDA events, read back when complete: no sync);
 - wait: time blocked in collectives issued from Python (per process group) plus the gradient-sync wait
   between the end of backward and the optimizer step (DDP / FSDP finish their reductions there);
-  on CUDA also that wait on the GPU (end of backward to the optimizer step, events on the same stream).
+  on CUDA also that wait on the GPU (end of backward to the optimizer step, events on the same stream);
+- starved: time the training thread was runnable but not running (the kernel's run-queue delay,
+  /proc/thread-self/schedstat) outside its collective waits: a rank that waits for a core, not for its
+  peers or its own work. A thread woken at the end of a wait often queues for a core too (4 ranks on 2
+  cores: 10-40 ms a step): that delay belongs to the wait, so it is read at each wait's ends and left out.
+What is left of the wall time (minus compute, wait, data, checkpoint and starved) is time the thread
+was off the CPU of its own accord: sleeping, blocked in I/O or on a lock.
 One record per step; the coordinator compares ranks.
 """
 
@@ -38,11 +44,45 @@ _GPU_PENDING_MAX = 256
 DRAIN_EVERY = 4
 
 
+class RunQueueClock:
+    """Seconds the calling thread spent runnable but waiting for a CPU (Linux schedstat), or None.
+
+    Opened on the thread it measures (thread-self resolves at open time); one pread a step (~2 us)."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> float | None:
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+
 class StepTiming:
     def __init__(self, append) -> None:
         self.append = append
         self._wall = time.perf_counter()
         self._cpu = time.thread_time()
+        self._runq: RunQueueClock | None = None  # opened on the training thread, at its first step
+        self._runq_last: float | None = None
+        self._runq_waiting = 0.0  # run-queue delay inside this step's collective waits (part of the wait)
+        self._runq_at_backward: float | None = None
         self.data_s = 0.0
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
@@ -71,6 +111,8 @@ class StepTiming:
     def backward_ended(self) -> None:
         """Autograd engine callback: backward's own work is done; DDP's reduction wait comes after."""
         self._backward_end = time.perf_counter()
+        if self._runq is not None:  # the training thread's clock, whichever thread runs this callback
+            self._runq_at_backward = self._runq.read()
         self._host_to_backward_s = self._backward_end - self._wall
         if self._cuda is not None:
             self._ev_backward = self._event()
@@ -79,6 +121,11 @@ class StepTiming:
         if self._backward_end is not None:
             self.wait_s += time.perf_counter() - self._backward_end
             self._backward_end = None
+            if self._runq_at_backward is not None:
+                now = self._runq.read() if self._runq is not None else None
+                if now is not None:
+                    self._runq_waiting += now - self._runq_at_backward
+                self._runq_at_backward = None
         if self._cuda is not None and self._ev_backward is not None:
             self._ev_pre = self._event()
 
@@ -87,20 +134,30 @@ class StepTiming:
         self.probe_cpu_s += seconds
 
     def collective_begin(self):
-        """Before a blocking Python-level collective: an event on the training stream (CUDA jobs), else None."""
+        """Before a blocking Python-level collective: (the run-queue clock, an event on the training stream on
+        CUDA jobs, else None)."""
+        runq = self._runq.read() if self._runq is not None else None
         if self._cuda is None or self._ev_start is None or self._ev_backward is not None:
-            return None  # after backward the wait is already in B..C
+            return runq, None  # after backward the GPU's wait is already in B..C
         try:
-            return self._event()
+            return runq, self._event()
         except Exception:
-            return None
+            return runq, None
 
     def collective_end(self, begin) -> None:
-        """After it: the training stream's wait for it is begin..end, taken out of this rank's compute."""
+        """After it: its run-queue delay belongs to the wait; the training stream's wait for it is begin..end,
+        taken out of this rank's compute."""
+        runq0, event = begin
+        if runq0 is not None:
+            now = self._runq.read()
+            if now is not None:
+                self._runq_waiting += now - runq0
+        if event is None:
+            return
         try:
-            self._coll_events.append((begin, self._event()))
+            self._coll_events.append((event, self._event()))
         except Exception:
-            self._free_events.append(begin)
+            self._free_events.append(event)
 
     def add_wait(self, pg_name: str, seconds: float) -> None:
         """A blocking collective issued from Python took this long (the tap measures it)."""
@@ -110,9 +167,10 @@ class StepTiming:
     def after_step(self, step: int) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
         compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s - self.probe_cpu_s)
+        runq_us = self._runq_us()
         fields = (step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9), int(self.data_s * 1e6),
                   int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait),
-                  int(self._host_to_backward_s * 1e6))
+                  int(self._host_to_backward_s * 1e6), runq_us)
         pairs, self._coll_events = self._coll_events, []
         if self._cuda is not None and self._ev_start is not None and self._ev_backward is not None \
                 and self._ev_pre is not None:
@@ -138,14 +196,25 @@ class StepTiming:
         self.pg_wait = {}
         self._backward_end = None
 
+    def _runq_us(self) -> int:
+        """Run-queue delay of the training thread since the last step, in us (-1: not measurable)."""
+        if self._runq is None:
+            self._runq = RunQueueClock()  # on the training thread: the optimizer hook calls after_step
+        now = self._runq.read()
+        last, self._runq_last = self._runq_last, now
+        waiting, self._runq_waiting = self._runq_waiting, 0.0
+        if now is None or last is None:
+            return -1
+        return max(0, int((now - last - waiting) * 1e6))
+
     def _emit(self, fields: tuple, gpu_us: int, gpu_wait_us: int) -> None:
-        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us = fields
+        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us, runq_us = fields
         if gpu_us >= 0:
             # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
             # waiting for its own host, and a host a few % slower reads as a GPU 10x slower. The longer
             # of the two spans is the rank's own time to the end of backward.
             gpu_us = max(gpu_us, host_us)
-        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}"
+        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}"
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
         self.append(STEP_PG_INDEX, step, cpu_ns, wall_ns, time.time_ns(), step, "step", desc)

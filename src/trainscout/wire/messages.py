@@ -12,6 +12,8 @@ from typing import Union
 
 import msgspec
 
+from trainscout.wire.device import DeviceReading
+
 
 class CollectiveRecord(msgspec.Struct, array_like=True):
     seq: int  # per-process-group collective sequence number (1-based, as the Flight Recorder counts)
@@ -90,6 +92,16 @@ class StepRecord(msgspec.Struct, array_like=True):
     # GPU_UNMEASURED: a CUDA step whose GPU time was not read)
     gpu_wait_s: float = -1.0  # CUDA: GPU time from the end of backward to the optimizer step (gradient sync)
     pg_wait: dict[str, float] = {}  # Python-level collective time per process group name
+    runq_s: float = -1.0  # the training thread was runnable but had no CPU (run-queue delay; -1: unknown)
+
+
+class NumericRecord(msgspec.Struct, array_like=True):
+    """One optimizer step of one rank: its local loss and its local gradient's L2 norm per layer, both measured
+    before any reduction (after DDP averages, every replica holds the same gradient)."""
+
+    step: int
+    loss: float  # mean of the step's losses; NaN: not measured
+    norms: list[float] = []  # per layer of RankState.numeric_layers; empty: not measured
 
 
 class LinkRecord(msgspec.Struct, array_like=True):
@@ -125,6 +137,8 @@ class RankState(msgspec.Struct, array_like=True):
     replay_layers: list[str] = []  # layers the replay rotation covers (empty: replay off)
     io_sites: dict[str, str] = {}  # "data" / "ckpt" -> the training code's call site of slow loads / saves
     links: list[LinkRecord] = []  # link-probe results since the previous digest
+    numerics: list[NumericRecord] = []  # per-step loss and layer gradient norms since the previous digest
+    numeric_layers: list[str] = []  # the layers NumericRecord.norms follow
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -138,6 +152,7 @@ class NodeDigest(msgspec.Struct, tag=True):
     host: str
     number: int  # increases by one per digest from this agent
     ranks: list[RankState]
+    devices: list[DeviceReading] = []  # the node's GPUs (NVML), when the agent can read them
 
 
 class StackReport(msgspec.Struct, tag=True):
@@ -145,7 +160,7 @@ class StackReport(msgspec.Struct, tag=True):
     request_id: int
     rank: int
     pid: int
-    method: str  # py-spy | faulthandler | none
+    method: str  # py-spy | faulthandler | none; py-spy-record: a profile (collapsed stacks of the main thread)
     text: str
 
 
@@ -173,7 +188,7 @@ class Goodbye(msgspec.Struct, tag=True):
 class Command(msgspec.Struct, tag=True):
     """Coordinator -> agent."""
 
-    kind: str  # dump_stacks | fetch_records | abort | trust | replay | linkprobe
+    kind: str  # dump_stacks | profile | fetch_records | abort | trust | replay | linkprobe
     request_id: int
     ranks: list[int] = []
     pg: str = ""

@@ -1,0 +1,205 @@
+"""Numerical outliers among replicas: a rank whose local loss or local gradient norms leave its peers'.
+
+Data-parallel replicas compute the same model on different batches, so their local losses and the norms of
+their local gradients (before the all-reduce) differ by the batches' spread, and by little else. A rank
+whose forward went wrong (a layer computing wrong, corrupted weights) moves away from its peers and stays
+away; a gradient corrupted on its way to the all-reduce jumps for one step while the rank's loss agrees with
+its peers'. After the all-reduce every replica holds the same numbers, so this is the only place such a
+fault shows before it spreads.
+
+Per step and per statistic (the loss; the log of each layer's gradient norm), each rank is compared with
+the median of its peers (leave-one-out). The scale is the class's own: the median, over the last WINDOW
+steps, of each step's median absolute deviation across ranks (robust to one outlier per step, and to the
+fault itself while it lasts). A rank is a suspect when it is far out in robust z AND relatively far AND:
+- persistent: in PERSIST_K of its last PERSIST_M judged steps, on the same side (loss or a layer's norm);
+- spike (gradient norms only): one step at least SPIKE_RATIO times its peers at a robust z of SPIKE_Z, while
+  its loss agrees with its peers' (|z| < LOSS_CALM_Z): the gradient went wrong, not the batch (a hard batch
+  raises the loss with the gradient).
+Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
+which confirms them (replay, state fingerprints) before a finding is emitted.
+
+Pure logic: no torch, no I/O; inputs are plain numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+MAD_TO_SIGMA = 1.4826
+WINDOW = 64  # steps of per-step dispersion the scale is taken from
+MIN_HISTORY = 16  # steps of dispersion needed before a statistic is judged
+WARMUP_STEPS = 20  # start-up is uneven (first batches, learning-rate warm-up)
+PERSIST_Z, PERSIST_K, PERSIST_M = 6.0, 4, 5
+LOSS_REL = 0.1  # a persistent loss outlier is also >= 10 % away from its peers' median
+NORM_PERSIST_RATIO = 1.5  # ... a persistent norm outlier >= 1.5x (or <= 1/1.5x) its peers'
+SPIKE_Z, SPIKE_RATIO = 12.0, 3.0
+LOSS_CALM_Z = 3.0
+WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
+_TINY = 1e-30
+
+
+@dataclass
+class NumericSuspect:
+    rank: int
+    step: int  # the step that completed the evidence
+    statistic: str  # "loss" | "grad_norm"
+    pattern: str  # "persistent" | "spike"
+    layer: str = ""  # for grad_norm: the layer that deviates most
+    ratio: float = 1.0  # the rank's value over its peers' median (for norms: of the norm)
+    z: float = 0.0
+    steps: list[int] = field(default_factory=list)  # the steps flagged
+    layers: dict[str, float] = field(default_factory=dict)  # every deviating layer -> its ratio, at `step`
+    loss_z: float = 0.0  # the rank's loss z at `step`
+
+
+class _Stat:
+    """One statistic (the loss, or one layer's log-norm) of one replica class: its dispersion history."""
+
+    def __init__(self) -> None:
+        self.dispersion: deque = deque(maxlen=WINDOW)
+
+    def judge(self, values: Mapping[int, float]) -> dict[int, tuple[float, float, float]]:
+        """rank -> (deviation from its peers' median, robust z, peers' median) for this step's values; the
+        step's dispersion joins the history afterwards (a step is never judged against itself)."""
+        ordered = sorted(values.values())
+        centre = _middle(ordered)
+        mad = _middle(sorted(abs(v - centre) for v in ordered))
+        out: dict[int, tuple[float, float, float]] = {}
+        if len(self.dispersion) >= MIN_HISTORY:
+            sigma = MAD_TO_SIGMA * _middle(sorted(self.dispersion))
+            sigma = max(sigma, 1e-6 * abs(centre), 1e-12)
+            for r, v in values.items():
+                peers = _middle(sorted(x for q, x in values.items() if q != r))
+                out[r] = (v - peers, (v - peers) / sigma, peers)
+        self.dispersion.append(mad)
+        return out
+
+
+class NumericDetector:
+    def __init__(self, wait_s: float = WAIT_S) -> None:
+        self.wait_s = wait_s
+        self._pending: dict[tuple[str, int], dict] = {}  # (class, step) -> {"loss": {r: v}, "norms": {r: [..]}, "t"}
+        self._layers: dict[str, list[str]] = {}  # class -> layer names (its members agree on them)
+        self._stats: dict[tuple[str, str], _Stat] = {}  # (class, "loss" | layer) -> dispersion
+        self._flags: dict[tuple[int, str], deque] = {}  # (rank, "loss" | layer) -> recent (step, side or 0)
+        self._reported: set[tuple[int, str, str]] = set()
+        self.steps_judged = 0
+        self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
+
+    def add(self, rank: int, group: str, layers: Sequence[str], records: Sequence[tuple[int, float, Sequence[float]]],
+            now: float) -> None:
+        """records: (step, loss, layer norms) of one rank, in any order; group: its replica class."""
+        if layers:
+            self._layers[group] = list(layers)
+        for step, loss, norms in records:
+            entry = self._pending.setdefault((group, step), {"loss": {}, "norms": {}, "t": now})
+            if math.isfinite(loss):
+                entry["loss"][rank] = loss
+            if norms and len(norms) == len(self._layers.get(group, ())):
+                entry["norms"][rank] = list(norms)
+
+    def update(self, now: float, members: Mapping[str, Sequence[int]]) -> list[NumericSuspect]:
+        """Judge complete steps in order; members: class -> its live ranks."""
+        out: list[NumericSuspect] = []
+        for key in sorted(self._pending, key=lambda k: k[1]):
+            group, step = key
+            entry = self._pending[key]
+            live = set(members.get(group, ()))
+            reported = set(entry["loss"]) | set(entry["norms"])
+            if not live <= reported and now - entry["t"] < self.wait_s:
+                continue
+            del self._pending[key]
+            if len(live) < 3 or step <= WARMUP_STEPS:
+                self._learn(group, entry)
+                continue
+            self.steps_judged += 1
+            out.extend(self._judge(group, step, entry))
+        return out
+
+    def _learn(self, group: str, entry: dict) -> None:
+        """Warm-up: the dispersion history fills, nothing is judged."""
+        if len(entry["loss"]) >= 3:
+            self._stat(group, "loss").judge(entry["loss"])
+        for layer, values in self._layer_values(group, entry).items():
+            self._stat(group, layer).judge(values)
+
+    def _stat(self, group: str, name: str) -> _Stat:
+        s = self._stats.get((group, name))
+        if s is None:
+            s = self._stats[(group, name)] = _Stat()
+        return s
+
+    def _layer_values(self, group: str, entry: dict) -> dict[str, dict[int, float]]:
+        """layer -> {rank: log norm}, finite norms only (NaN/Inf is the non-finite check's business)."""
+        layers = self._layers.get(group, [])
+        out: dict[str, dict[int, float]] = {}
+        for r, norms in entry["norms"].items():
+            for layer, n in zip(layers, norms):
+                if math.isfinite(n):
+                    out.setdefault(layer, {})[r] = math.log(max(n, _TINY))
+        return {layer: v for layer, v in out.items() if len(v) >= 3}
+
+    def _judge(self, group: str, step: int, entry: dict) -> list[NumericSuspect]:
+        out: list[NumericSuspect] = []
+        loss_z: dict[int, float] = {}
+        if len(entry["loss"]) >= 3:
+            judged = self._stat(group, "loss").judge(entry["loss"])
+            for r, (dev, z, peers) in judged.items():
+                loss_z[r] = z
+                far = abs(z) >= PERSIST_Z and abs(dev) >= LOSS_REL * max(abs(peers), 1e-12)
+                found = self._persist(r, "loss", step, (1 if dev > 0 else -1) if far else 0)
+                if found is not None:
+                    ratio = entry["loss"][r] / peers if peers else math.inf
+                    out.append(NumericSuspect(r, step, "loss", "persistent", ratio=ratio, z=z, steps=found,
+                                              loss_z=z))
+        norm_flags: dict[int, dict[str, tuple[float, float]]] = {}  # rank -> layer -> (ratio, z)
+        for layer, values in self._layer_values(group, entry).items():
+            judged = self._stat(group, layer).judge(values)
+            for r, (dev, z, _) in judged.items():
+                ratio = math.exp(dev)
+                if abs(z) >= PERSIST_Z and abs(dev) >= math.log(NORM_PERSIST_RATIO):
+                    norm_flags.setdefault(r, {})[layer] = (ratio, z)
+                found = self._persist(r, layer, step, (1 if dev > 0 else -1) if r in norm_flags and layer in
+                                      norm_flags[r] else 0)
+                if found is not None:
+                    out.append(NumericSuspect(r, step, "grad_norm", "persistent", layer=layer, ratio=ratio, z=z,
+                                              steps=found, loss_z=loss_z.get(r, 0.0),
+                                              layers={k: round(v[0], 3) for k, v in norm_flags[r].items()}))
+        for r, layers in norm_flags.items():
+            spikes = {k: v for k, v in layers.items()
+                      if abs(v[1]) >= SPIKE_Z and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)}
+            if not spikes or abs(loss_z.get(r, math.inf)) >= LOSS_CALM_Z:
+                if spikes:
+                    self.trace.append((step, r, "spike with loss outlier", loss_z.get(r)))
+                continue
+            layer, (ratio, z) = max(spikes.items(), key=lambda kv: abs(kv[1][1]))
+            key = (r, "grad_norm", f"spike@{step}")
+            if key in self._reported:
+                continue
+            self._reported.add(key)
+            out.append(NumericSuspect(r, step, "grad_norm", "spike", layer=layer, ratio=ratio, z=z, steps=[step],
+                                      loss_z=loss_z.get(r, 0.0), layers={k: round(v[0], 3) for k, v in layers.items()}))
+        for s in out:
+            self.trace.append((s.step, s.rank, s.statistic, s.pattern, s.layer, round(s.ratio, 3), round(s.z, 1)))
+        return out
+
+    def _persist(self, rank: int, name: str, step: int, side: int) -> list[int] | None:
+        """Record this step's flag (side +1/-1, 0: not flagged); the flagged steps once PERSIST_K of the last
+        PERSIST_M are flagged on one side, reported once per (rank, statistic)."""
+        hist = self._flags.setdefault((rank, name), deque(maxlen=PERSIST_M))
+        hist.append((step, side))
+        if not side or len(hist) < PERSIST_M or (rank, name, "persistent") in self._reported:
+            return None
+        same = [s for s, d in hist if d == side]
+        if len(same) < PERSIST_K:
+            return None
+        self._reported.add((rank, name, "persistent"))
+        return same
+
+
+def _middle(s: list[float]) -> float:
+    h = len(s) // 2
+    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2

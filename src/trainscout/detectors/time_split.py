@@ -1,0 +1,199 @@
+"""Stragglers by where the step's time went: off the CPU of their own accord, or waiting for a core.
+
+Each rank splits its step (probe/step_timing.py): wall = compute (training-thread CPU) + waiting in the
+training's collectives + data loading + checkpoint writes + starved (runnable, no core) + the rest, time the
+thread was off the CPU of its own accord: sleeping, blocked in I/O, on a lock, a pipe, a GIL another thread
+held. A rank its peers wait for is slower in one of these parts. Compute, data and checkpoint times are
+judged by straggler.py; this module judges the other two, each against the same part of its peers:
+
+- blocked (off-CPU outside collectives): on healthy ranks it is small and steady, whatever the machine does
+  (4 ranks on 2 busy cores beside a CPU hog: 8-step medians within 1 ms of each other, where compute and
+  run-queue times swing by 20-60 ms), so a few milliseconds a step stand out within a few steps;
+- starved (run-queue delay while working): on a shared machine it is the noisiest part of all, since the
+  scheduler rotates whom it delays, so only a large share held for long is named (a rank pinned to a core
+  that other work shares).
+
+Per step, each rank's median over its last `window` steps is compared with the median of its peers'
+(leave-one-out): the excess must be at least `abs_s` AND `rel` of the step's wall time AND `z` times the
+class's usual spread of those medians (median absolute deviation across ranks, over the last SPREAD_STEPS
+evaluations) AND stand clear of every other rank (two ranks slow together share a cause) AND its peers
+must wait for it (its collective wait over the window is no longer than its peers' median; for the blocked
+part, whose healthy values are steady, this is not asked: a rank's wait swings by tens of milliseconds a step
+on a busy machine, which delayed a 4 ms straggler's verdict by 8 steps, and time blocked outside collectives
+on one rank is time its peers spend waiting for it). Persistence:
+flagged in `k` of the last `m` evaluations. Single steps far out (half a step's wall time, clear of the
+rest) at a regular interval, `intermittent_min` times, give an intermittent straggler with its period.
+Three or more ranks; two have no majority (straggler.py's arrival-order rule covers compute for them).
+
+Pure logic over plain step records: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from trainscout.detectors.periodicity import LOOKBACK, regular_period
+from trainscout.findings import STRAGGLER, Finding
+
+SPREAD_STEPS = 64
+WARMUP_STEPS = 20
+MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the step's time and how it is judged."""
+
+    label: str  # the finding's evidence.type
+    window: int
+    abs_s: float
+    rel: float  # of the step's median wall time
+    z: float
+    k: int
+    m: int
+    spike_rel: float  # a single step this far over its peers (share of the wall time) is a spike
+    spike_abs_s: float
+    intermittent_min: int
+    what: str  # how a person reads it
+    arrival: bool  # also require that its peers wait for it (its collective wait is no longer than theirs)
+
+
+BLOCKED = Part("blocked", window=5, abs_s=0.002, rel=0.04, z=6.0, k=4, m=5, spike_rel=0.5, spike_abs_s=0.02,
+               intermittent_min=3, arrival=False,
+               what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)")
+# Healthy ranks beside a CPU hog showed 8-step medians up to 58 ms over their peers' (1.4 steps): the scheduler
+# rotates whom it delays within a few tens of steps, so only a long, large excess is a starved core.
+STARVED = Part("starved", window=16, abs_s=0.01, rel=0.25, z=6.0, k=28, m=32, spike_rel=10.0, spike_abs_s=10.0,
+               intermittent_min=10 ** 6, arrival=True, what="waiting for a CPU core (runnable, not running)")
+
+
+def blocked_s(rec) -> float | None:
+    """Time off the CPU outside collectives, data loading and checkpoint writes (None: not measurable)."""
+    if rec.runq_s < 0 or rec.wall_s <= 0:
+        return None
+    return rec.wall_s - rec.wait_s - rec.cpu_s - rec.runq_s - rec.data_s - rec.ckpt_s
+
+
+def starved_s(rec) -> float | None:
+    return rec.runq_s if rec.runq_s >= 0 and rec.wall_s > 0 else None
+
+
+class PartWatch:
+    """Judges one part of the step's time across the ranks of a data-parallel job."""
+
+    def __init__(self, part: Part, extract) -> None:
+        self.part = part
+        self.extract = extract
+        self._windows: dict[int, deque] = {}
+        self._waits: dict[int, deque] = {}
+        self._walls: deque = deque(maxlen=part.window)
+        self._spread: deque = deque(maxlen=SPREAD_STEPS)
+        self._flags: dict[int, deque] = {}
+        self._spikes: dict[int, deque] = {}
+        self._reported: set[tuple[int, str]] = set()
+        self.trace: deque = deque(maxlen=64)  # recent evaluations that flagged someone
+        self.flagged: set[int] = set()  # ranks flagged at the last step (a slow transport is then not suspected)
+
+    def observe(self, step: int, recs: dict) -> list[Finding]:
+        p = self.part
+        values = {}
+        for r, rec in recs.items():
+            v = self.extract(rec)
+            if v is not None:
+                values[r] = v
+        if len(values) < 3:
+            return []
+        walls = sorted(rec.wall_s for rec in recs.values())
+        wall = walls[len(walls) // 2]
+        self._walls.append(wall)
+        for r, v in values.items():
+            self._windows.setdefault(r, deque(maxlen=p.window)).append(v)
+            self._waits.setdefault(r, deque(maxlen=p.window)).append(recs[r].wait_s)
+        out = self._spike(step, values, wall)
+        windowed = {r: _median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
+        if len(windowed) < 3:
+            return out
+        centre = _median(windowed.values())
+        spread = _median(abs(v - centre) for v in windowed.values())
+        sigma = MAD_TO_SIGMA * _median(self._spread) if len(self._spread) >= p.window else 0.0
+        self._spread.append(spread)
+        if step <= WARMUP_STEPS or len(self._spread) < p.window:
+            return out
+        level = _median(self._walls)
+        flagged = set()
+        for r, v in windowed.items():
+            peers = sorted(x for q, x in windowed.items() if q != r)
+            excess = v - _median(peers)
+            if excess < max(p.abs_s, p.rel * level, p.z * max(sigma, 1e-4)):
+                continue
+            if v - peers[-1] < excess / 2:
+                continue  # not clear of the rest: two ranks slow together share a cause
+            if p.arrival and _median(self._waits[r]) > _median(_median(self._waits[q]) for q in windowed if q != r):
+                continue  # its peers do not wait for it
+            flagged.add(r)
+        self.flagged = flagged
+        if flagged:
+            self.trace.append((step, sorted(flagged), {r: round(v * 1e3, 2) for r, v in windowed.items()}))
+        for r in windowed:
+            hist = self._flags.setdefault(r, deque(maxlen=p.m))
+            hist.append((step, r in flagged, windowed[r] - _median(x for q, x in windowed.items() if q != r)))
+            f = self._persistent(r, hist, level)
+            if f is not None:
+                out.append(f)
+        return out
+
+    def _persistent(self, rank: int, hist: deque, level: float) -> Finding | None:
+        p = self.part
+        if len(hist) < p.m or (rank, "persistent") in self._reported:
+            return None
+        hits = [(s, x) for s, hit, x in hist if hit]
+        if len(hits) < p.k:
+            return None
+        self._reported.add((rank, "persistent"))
+        excess = statistics.median(x for _, x in hits)
+        steps = [s for s, _ in hits]
+        share = excess / level if level > 0 else 0.0
+        return Finding(
+            kind=STRAGGLER, culprit_ranks=[rank], step=steps[-1], confidence=min(1.0, 0.5 + 0.1 * len(steps)),
+            summary=(f"rank {rank} is a straggler: it spends {excess * 1e3:.1f} ms a step more than its peers "
+                     f"{p.what} ({share * 100:.0f}% of a step, {len(steps)} of the last {len(hist)} steps); "
+                     "its peers wait for it"),
+            evidence={"type": p.label, "excess_s": round(excess, 6), "share_of_step": round(share, 3),
+                      "ratio": round(1 + share, 3), "flagged_steps": steps,
+                      "basis": f"{p.window}-step medians of time {p.label}, statistical C3 against its peers"})
+
+    def _spike(self, step: int, values: dict[int, float], wall: float) -> list[Finding]:
+        p = self.part
+        if step <= WARMUP_STEPS or p.intermittent_min > LOOKBACK:
+            return []
+        out = []
+        for r, v in values.items():
+            peers = sorted(x for q, x in values.items() if q != r)
+            excess = v - _median(peers)
+            if excess < max(p.spike_abs_s, p.spike_rel * wall) or v - peers[-1] < excess / 2:
+                continue
+            spikes = self._spikes.setdefault(r, deque(maxlen=LOOKBACK))
+            spikes.append(step)
+            if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
+                continue
+            found = regular_period(spikes, p.intermittent_min)
+            if found is None:
+                continue
+            self._reported.add((r, "intermittent"))
+            recent = found.hits[-p.intermittent_min:]
+            out.append(Finding(
+                kind=STRAGGLER, culprit_ranks=[r], step=recent[-1], confidence=0.8,
+                summary=(f"rank {r} is an intermittent straggler: every {found.period} steps it spends "
+                         f"{excess * 1e3:.0f} ms {p.what} (steps {', '.join(map(str, recent))}); its peers wait "
+                         "for it"),
+                evidence={"type": p.label, "intermittent": True, "period": found.period, "flagged_steps": recent,
+                          "excess_s": round(excess, 6)}))
+        return out
+
+
+def _median(values) -> float:
+    s = sorted(values)
+    h = len(s) // 2
+    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2

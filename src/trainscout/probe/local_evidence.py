@@ -1,0 +1,129 @@
+"""Per-step numerical evidence of a rank: its local loss and the norm of each layer's local gradient.
+
+After DDP averages the gradients every replica holds the same numbers, so a rank whose forward went wrong
+or whose gradient was corrupted before the all-reduce leaves no trace any later exact check can see. Its
+own loss and its own gradients, read before the reduction, do: the coordinator compares them across the
+replicas every step (detectors/numerics.py). This module turns what the non-finite pass measured (the loss,
+each gradient's sum of squares) into one record per step: the loss and one L2 norm per layer.
+
+A layer is a parameter's name up to its first numeric component (`blocks.3.attn.qkv.weight` -> `blocks.3`),
+else its parent module (`head.weight` -> `head`): the granularity of the replay rotation, coarse enough that a
+record stays small. Layer names go to a sidecar table once; records carry the loss as float64 bits and the
+norms as packed float32 (NORMS_PER_RECORD per ring record, several records for a large model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+
+import numpy as np
+
+from trainscout.channel.layout import DESC_BYTES, evidence_table_path
+
+EVIDENCE_PG_INDEX = -5
+NORMS_PER_RECORD = DESC_BYTES // 4
+_LOSS = struct.Struct("<d")
+_BITS = struct.Struct("<Q")
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to: up to its first numeric component, else its parent module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def pack_header(part: int, count: int, version: int) -> int:
+    """The record's rolling_hash slot: which slice of the layer list it holds, and of which table."""
+    return (version & 0xFFFFFFFF) << 32 | (count & 0xFFFF) << 16 | (part & 0xFFFF)
+
+
+def unpack_header(value: int) -> tuple[int, int, int]:
+    """(part, count, version) of an evidence record."""
+    return value & 0xFFFF, (value >> 16) & 0xFFFF, value >> 32
+
+
+def loss_bits(loss: float) -> int:
+    return _BITS.unpack(_LOSS.pack(loss))[0]
+
+
+def loss_from_bits(bits: int) -> float:
+    return _LOSS.unpack(_BITS.pack(bits & 0xFFFFFFFFFFFFFFFF))[0]
+
+
+class LocalEvidence:
+    """Collects one step's loss and per-parameter sums of squares; emits the step's record(s)."""
+
+    def __init__(self, append, run_id: str, rank: int) -> None:
+        self.append = append
+        self.run_id, self.rank = run_id, rank
+        self.layers: list[str] = []
+        self._layer_index = np.zeros(0, dtype=np.int64)  # parameter -> layer
+        self.version = 0
+        self._loss_sum, self._losses = 0.0, 0
+        self._sumsq: np.ndarray | None = None
+        self.records = 0
+
+    def set_params(self, names: list[str]) -> None:
+        """The parameters whose sums of squares `add_sumsq` will receive, in that order."""
+        layers = list(dict.fromkeys(layer_of(n) for n in names))
+        index = {name: i for i, name in enumerate(layers)}
+        self._layer_index = np.asarray([index[layer_of(n)] for n in names], dtype=np.int64)
+        if layers != self.layers:
+            self.layers = layers
+            self.version += 1
+            self._write_table()
+
+    def _write_table(self) -> None:
+        path = evidence_table_path(self.run_id, self.rank)
+        try:
+            with open(path + ".tmp", "w") as fh:
+                json.dump({"version": self.version, "layers": self.layers}, fh)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass  # the records still carry the loss; norms without names are dropped by the agent
+
+    def add_loss(self, value: float) -> None:
+        """A scalar loss entered backward (several per step with gradient accumulation: their mean is kept)."""
+        self._loss_sum += value
+        self._losses += 1
+
+    def add_sumsq(self, sumsq: np.ndarray) -> None:
+        """Each parameter's local gradient sum of squares at the end of a backward pass; the last pass of
+        the step wins (accumulated gradients include the earlier micro-batches)."""
+        if sumsq.shape == self._layer_index.shape:
+            self._sumsq = sumsq
+
+    def emit(self, step: int) -> None:
+        """After the optimizer step: the step's loss and layer norms (what was measured of them on the host;
+        a CUDA job's values land later, through `emit_values`)."""
+        if not self._losses and self._sumsq is None:
+            return
+        loss = self._loss_sum / self._losses if self._losses else math.nan
+        sumsq, self._sumsq = self._sumsq, None
+        self._loss_sum, self._losses = 0.0, 0
+        self.emit_values(step, loss, sumsq)
+
+    def emit_values(self, step: int, loss: float, sumsq: np.ndarray | None) -> None:
+        """One step's values, also for results that land later (CUDA)."""
+        if sumsq is None or not self.layers or sumsq.shape != self._layer_index.shape:
+            norms = np.zeros(0, dtype=np.float32)
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                per_layer = np.bincount(self._layer_index, weights=sumsq.astype(np.float64),
+                                        minlength=len(self.layers))
+                norms = np.sqrt(per_layer).astype(np.float32)
+        bits, now = loss_bits(loss), time.time_ns()
+        if not len(norms):
+            self.append(EVIDENCE_PG_INDEX, step, bits, pack_header(0, 0, self.version), now, step, "evidence", b"")
+        for part, start in enumerate(range(0, len(norms), NORMS_PER_RECORD)):
+            chunk = norms[start:start + NORMS_PER_RECORD]
+            self.append(EVIDENCE_PG_INDEX, step, bits, pack_header(part, len(chunk), self.version), now, step,
+                        "evidence", chunk.tobytes())
+        self.records += 1

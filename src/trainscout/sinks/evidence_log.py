@@ -1,0 +1,74 @@
+"""`evidence.jsonl`: every rank's per-step evidence as the coordinator received it.
+
+One line per rank and digest: the step records (timing split) and the numeric records (loss, layer gradient
+norms), in the order the wire carries them (msgspec's array form: see wire/messages.py StepRecord and
+NumericRecord for the field order), plus the layer names whenever they change. It is what the report's
+timelines and offline replays of the detectors (benchmarks/evidence_replay.py) read. Written only for jobs
+up to `max_ranks` ranks: beyond that it would grow with the job, and the detectors keep what they need.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from trainscout.wire.messages import NumericRecord, StepRecord
+
+_encoder = msgspec.json.Encoder()
+
+
+class EvidenceLog:
+    def __init__(self, path: str | os.PathLike, max_ranks: int = 256) -> None:
+        self.path = os.fspath(path)
+        self.max_ranks = max_ranks
+        self._file = None
+        self._layers: dict[int, list[str]] = {}
+        self.lines = 0
+
+    def write(self, rank: int, steps: list[StepRecord], numerics: list[NumericRecord], layers: list[str],
+              ranks_known: int) -> None:
+        if ranks_known > self.max_ranks or not (steps or numerics):
+            return
+        line: dict = {"rank": rank}
+        if steps:
+            line["steps"] = steps
+        if numerics:
+            line["numerics"] = numerics
+        if layers and self._layers.get(rank) != layers:
+            self._layers[rank] = list(layers)
+            line["layers"] = layers
+        try:
+            if self._file is None:
+                self._file = open(self.path, "ab")
+            self._file.write(_encoder.encode(line) + b"\n")
+            self._file.flush()
+            self.lines += 1
+        except OSError:
+            self.max_ranks = -1  # a full or read-only disk: stop trying, detection goes on
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read(path: str | os.PathLike) -> dict:
+    """{rank: {"steps": [StepRecord], "numerics": [NumericRecord], "layers": [...]}} from an evidence log."""
+    out: dict[int, dict] = {}
+    steps_type = msgspec.json.Decoder(list[StepRecord])
+    numerics_type = msgspec.json.Decoder(list[NumericRecord])
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            doc = msgspec.json.decode(raw)
+            rank = int(doc["rank"])
+            entry = out.setdefault(rank, {"steps": [], "numerics": [], "layers": []})
+            if "steps" in doc:
+                entry["steps"].extend(steps_type.decode(msgspec.json.encode(doc["steps"])))
+            if "numerics" in doc:
+                entry["numerics"].extend(numerics_type.decode(msgspec.json.encode(doc["numerics"])))
+            if "layers" in doc:
+                entry["layers"] = list(doc["layers"])
+    return out
