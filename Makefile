@@ -8,7 +8,7 @@ DEEPSPEED := deepspeed==0.19.8
 
 .PHONY: venv demo test clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile setup.py src/trainscout/fingerprint/_native.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "torch==2.13.0"

@@ -1,8 +1,10 @@
-"""Tests for trainscout.fingerprint on the CPU: the numpy path against an independent plain-Python reference.
+"""Tests for trainscout.fingerprint on the CPU: its paths against an independent plain-Python reference.
 
 The reference below is written from spec.md with its own copy of the constants, so an accidental edit of
-a constant or a shift in cpu.py fails here. The Triton kernel is checked on the CPU too, through Triton's
-interpreter, when Triton is installed (tests/gpu checks it on a real GPU).
+a constant or a shift in cpu.py fails here. Most tests run whichever CPU path is active (the C kernel where
+it is built); the known answers, chunking and random inputs run the numpy path and the C kernel explicitly
+(test_fingerprint_native.py compares the two in depth). The Triton kernel is checked on the CPU too,
+through Triton's interpreter, when Triton is installed (tests/gpu checks it on a real GPU).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainscout.fingerprint import cpu, fingerprint, fingerprint_bytes, fingerprint_range
@@ -70,6 +72,18 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 KAT_1000 = hashlib.shake_128(b"trainscout fingerprint").digest(1000)
 
 
+@pytest.fixture(params=["numpy", "native"])
+def cpu_path(request):
+    """Runs a test once on the numpy path and once on the C kernel (skipped where it is not built)."""
+    if request.param == "native" and not cpu.native_available():
+        pytest.skip(f"C kernel not available: {cpu.NATIVE_UNAVAILABLE}")
+    previous = cpu.use_native(request.param == "native")
+    try:
+        yield request.param
+    finally:
+        cpu.use_native(previous)
+
+
 # ---------------------------------------------------------------- known answers
 
 
@@ -85,7 +99,7 @@ KAT_1000 = hashlib.shake_128(b"trainscout fingerprint").digest(1000)
         (KAT_1000[:999], 1 << 40, 0x6E32A626594B7B68),
     ],
 )
-def test_known_answers(data, word_base, expected):
+def test_known_answers(cpu_path, data, word_base, expected):
     assert reference(data, word_base) == expected
     assert cpu.fingerprint_bytes(data, word_base=word_base) == expected
     assert cpu.fingerprint_bytes(data, word_base=word_base, chunk_words=3) == expected
@@ -200,7 +214,7 @@ def test_range_validates_its_bounds():
 
 @pytest.mark.parametrize("chunk_words", [1, 2, 3, 7, 64, 1000, 1 << 18])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_chunk_size_and_threads_do_not_change_the_value(chunk_words, threads):
+def test_chunk_size_and_threads_do_not_change_the_value(cpu_path, chunk_words, threads):
     data = hashlib.shake_128(b"chunks").digest(4 * 2500 + 3)
     expected = reference(data)
     assert cpu.fingerprint_bytes(data, chunk_words=chunk_words, threads=threads) == expected
@@ -222,13 +236,13 @@ def test_accepts_bytes_memoryview_and_arrays():
     assert fingerprint_bytes(strided) == reference(bytes(strided))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     data=st.binary(max_size=96),
     word_base=st.one_of(st.just(0), st.integers(0, 1 << 40), st.integers((1 << 32) - 30, (1 << 32) + 5)),
     chunk_words=st.integers(1, 9),
 )
-def test_reference_equals_numpy_on_random_bytes(data, word_base, chunk_words):
+def test_reference_equals_numpy_on_random_bytes(cpu_path, data, word_base, chunk_words):
     assert cpu.fingerprint_bytes(data, word_base=word_base, chunk_words=chunk_words) == reference(data, word_base)
 
 

@@ -6,10 +6,12 @@ across ranks. The fingerprint is one pass over memory, depends on the order of t
 integer on CPU and GPU for the same bytes, and always changes when any single 32-bit word changes
 (spec.md beside this file: definition, guarantees, collision bound, limits). It is not cryptographic.
 
-`fingerprint(t)` / `fingerprint_range(t, start, end)` pick the path by device: numpy for CPU tensors
-(`cpu.py`, also the reference definition), a Triton kernel for CUDA tensors (`gpu.py`, imported only when a
-CUDA tensor shows up, so CPU-only installs never import Triton). For a result that stays on the device
-without a host sync, use `gpu.fingerprint_tensor_cuda_async`.
+`fingerprint(t)` / `fingerprint_range(t, start, end)` pick the path by device: for CPU tensors `cpu.py`,
+which runs a C kernel (`_native.c`, built by `pip install` where a compiler exists; one pass at memory
+speed) and falls back to numpy (the reference definition) where the extension is not built; `cpu_backend()`
+says which one runs ("native-avx2", ..., or "numpy"). CUDA tensors go to a Triton kernel (`gpu.py`, imported
+only when a CUDA tensor shows up, so CPU-only installs never import Triton). For a result that stays on the
+device without a host sync, use `gpu.fingerprint_tensor_cuda_async`.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import warnings
 import torch
 
 from trainscout.fingerprint.cpu import as_unsigned64, fingerprint_bytes
+from trainscout.fingerprint.cpu import backend as cpu_backend
 
-__all__ = ["as_unsigned64", "fingerprint", "fingerprint_bytes", "fingerprint_range"]
+__all__ = ["as_unsigned64", "cpu_backend", "fingerprint", "fingerprint_bytes", "fingerprint_range"]
 
 _warned_no_triton = False
 

@@ -1,4 +1,4 @@
-"""The fingerprint's definition and its CPU implementation (numpy), which every other path must equal.
+"""The fingerprint's definition and its CPU implementations, a C kernel and numpy, which every path must equal.
 
 Replicas are compared bit for bit by exchanging one 64-bit fingerprint per tensor (or per byte range of a
 tensor, for the rotating checks of the numerical-integrity layer). The GPU kernel in `gpu.py` computes the
@@ -16,7 +16,11 @@ the lanes are summed mod 2^32, and the 64-bit result is a bijection of the two s
     F = fmix64((S_A | S_B << 32) XOR (L*K_L + C_L mod 2^64)).
 
 Work per word is a handful of 32-bit integer operations, which is what lets the GPU kernel run at memory
-bandwidth; on the CPU numpy does it in cache-sized chunks so memory stays bounded.
+bandwidth. On the CPU the lane sums come from the C extension `_native` (built by `pip install` when a
+compiler is there; one auto-vectorised pass, SSE2/SSE4.1/AVX2 picked at import, GIL released) when it
+imports and the words are a contiguous uint32 array; otherwise from numpy, in cache-sized chunks so memory
+stays bounded. The numpy path is the reference the C kernel is tested against. `backend()` says which path
+is in use, `use_native(False)` (or TRAINSCOUT_FINGERPRINT_NATIVE=0 in the environment) forces numpy.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -53,7 +58,11 @@ F_MUL1, F_MUL2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
 
 DEFAULT_CHUNK_WORDS = 1 << 18  # 1 MiB of words per numpy chunk: stays in L2/L3 across the ~20 passes
 
+# The C extension's interface version this module speaks (TS_API_VERSION in _native.c).
+NATIVE_API_VERSION = 1
+
 Buffer = bytes | bytearray | memoryview | np.ndarray
+_LE_U32 = np.dtype("<u4")
 
 
 # ---------------------------------------------------------------- scalar pieces (host side of both paths)
@@ -199,6 +208,83 @@ def default_threads() -> int:
         return 1
 
 
+# ---------------------------------------------------------------- native lanes (C extension)
+
+
+def _load_native() -> tuple[ModuleType | None, str]:
+    """The C extension if it imports and speaks this module's interface, else None and why not. Importing
+    it only loads a shared library built at install time: nothing is ever compiled here."""
+    try:
+        from trainscout.fingerprint import _native
+    except ImportError as exc:
+        return None, f"native module not built ({exc})"
+    except Exception as exc:  # noqa: BLE001 - a broken build must cost speed only, never the job
+        return None, f"native module failed to load ({exc!r})"
+    version = getattr(_native, "API_VERSION", None)
+    if version != NATIVE_API_VERSION:
+        return None, (f"native module {_native.__file__} has interface {version}, this code wants "
+                      f"{NATIVE_API_VERSION}: stale build, reinstall the package")
+    return _native, ""
+
+
+_native, NATIVE_UNAVAILABLE = _load_native()
+_use_native = _native is not None and os.environ.get("TRAINSCOUT_FINGERPRINT_NATIVE", "1").strip() != "0"
+
+
+def native_available() -> bool:
+    """Whether the C extension is built and loadable (whether or not it is in use)."""
+    return _native is not None
+
+
+def use_native(enabled: bool) -> bool:
+    """Use the C kernel (True) or force the numpy path (False) from now on, process-wide; returns the
+    previous setting. For tests and benchmarks; TRAINSCOUT_FINGERPRINT_NATIVE=0 sets False at import."""
+    global _use_native
+    if enabled and _native is None:
+        raise RuntimeError(f"trainscout fingerprint: {NATIVE_UNAVAILABLE}")
+    previous, _use_native = _use_native, bool(enabled)
+    return previous
+
+
+def backend() -> str:
+    """The path contiguous buffers take now, for logs and the run's summary: "native-avx2" (or
+    "native-sse4.1", "native-default") or "numpy". Non-contiguous arrays always take numpy."""
+    if _use_native and _native is not None:
+        return f"native-{_native.variant()}"
+    return "numpy"
+
+
+def backend_detail() -> str:
+    """`backend()` with the reason when it is numpy."""
+    if _use_native and _native is not None:
+        return f"native C kernel, {_native.variant()} variant (supported here: {', '.join(_native.variants())})"
+    if _native is not None:
+        return "numpy (native C kernel built but switched off: use_native(False) or TRAINSCOUT_FINGERPRINT_NATIVE=0)"
+    return f"numpy ({NATIVE_UNAVAILABLE})"
+
+
+def _native_lane_sums(words: np.ndarray, word_base: int, chunk_words: int, threads: int | None) -> tuple[int, int]:
+    """Lane sums by the C kernel: one call over the whole buffer (it splits at 2^32 index boundaries
+    itself), or contiguous slices on several threads (it releases the GIL). As with numpy, threads are
+    used only when the buffer has at least that many chunks of chunk_words."""
+    assert _native is not None
+    n = int(words.shape[0])
+    n_threads = min(threads or default_threads(), -(-n // chunk_words))
+    if n_threads <= 1:
+        return _native.lane_sums(words, word_base)
+    bounds = [n * k // n_threads for k in range(n_threads + 1)]
+
+    def part(k: int) -> tuple[int, int]:
+        return _native.lane_sums(words[bounds[k] : bounds[k + 1]], word_base + bounds[k])
+
+    with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="trainscout-fp") as pool:
+        parts = list(pool.map(part, range(n_threads)))
+    return sum(p[0] for p in parts) & M32, sum(p[1] for p in parts) & M32
+
+
+# ---------------------------------------------------------------- dispatch
+
+
 def lane_sums(
     words: np.ndarray,
     word_base: int = 0,
@@ -207,16 +293,25 @@ def lane_sums(
 ) -> tuple[int, int]:
     """(S_A, S_B) mod 2^32 over uint32 `words` whose first word has global index `word_base`.
 
-    Sums mod 2^32 do not depend on the order they are added in, so chunks may run on several threads
-    (numpy releases the GIL inside its loops); memory stays at two chunk buffers per thread.
+    A contiguous 1-D array goes to the C kernel when it is available and enabled (`backend()`); anything
+    else to numpy. Sums mod 2^32 do not depend on the order they are added in, so chunks may run on several
+    threads (both paths release the GIL); numpy's memory stays at two chunk buffers per thread.
     """
-    if words.dtype != np.dtype("<u4"):
+    if words.dtype != _LE_U32:
         raise TypeError(f"words must be little-endian uint32, got {words.dtype}")
     if chunk_words <= 0:
         raise ValueError("chunk_words must be positive")
     n = int(words.shape[0])
     if n == 0:
         return 0, 0
+    if _use_native and words.ndim == 1 and words.flags.c_contiguous and 0 <= word_base and word_base + n <= 1 << 64:
+        return _native_lane_sums(words, word_base, chunk_words, threads)
+    return _numpy_lane_sums(words, word_base, chunk_words, threads)
+
+
+def _numpy_lane_sums(words: np.ndarray, word_base: int, chunk_words: int, threads: int | None) -> tuple[int, int]:
+    """The reference: ~20 vectorised numpy passes per chunk of chunk_words, chunks on up to `threads`."""
+    n = int(words.shape[0])
     size = min(chunk_words, n)
     pieces = list(_pieces(n, word_base, chunk_words))
     n_threads = min(threads or default_threads(), len(pieces))
