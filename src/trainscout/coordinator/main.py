@@ -24,7 +24,9 @@ from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.device_health import DeviceHealthDetector, GpuSample
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
+from trainscout.coordinator import confirmation
 from trainscout.detectors.nonfinite import NonFiniteDetector
+from trainscout.detectors.numerics import NumericDetector
 from trainscout.detectors.state import ReplicaStateDetector, verified_window
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector, Suspect
@@ -49,7 +51,8 @@ from trainscout.wire.messages import (
 )
 
 ROOT_KINDS = {HANG, DESYNC, CRASH, EARLY_EXIT, STALL}
-PROFILED = {"blocked", "starved", "compute"}  # straggler types whose finding says where the time goes
+# straggler types whose finding says where the time goes (a starved rank's is spread over whatever it runs)
+PROFILED = {"blocked", "compute", "data_loading"}
 INTEGRITY_KINDS = {SDC, NONFINITE, HEALTH, HPZ_RACE}
 
 
@@ -105,6 +108,8 @@ class Coordinator:
         self.hpz = HpzRaceDetector()
         self.nonfinite = NonFiniteDetector()
         self.replay = ReplayDetector()
+        self.numerics = NumericDetector()  # loss and layer gradient norms against peers (statistical suspects)
+        self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
         # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
         self.straggler = StragglerDetector(gpu_compute=os.environ.get("TRAINSCOUT_GPU_STRAGGLERS", "1") != "0")
         self.devices = DeviceHealthDetector()
@@ -166,6 +171,9 @@ class Coordinator:
                     self.straggler.add_links(st.rank, st.links, now)
                 if st.steps or st.numerics:
                     self.evidence_log.write(st.rank, st.steps, st.numerics, st.numeric_layers, len(self.ranks))
+                if st.numerics and st.replica_group:
+                    self.numerics.add(st.rank, st.replica_group, st.numeric_layers,
+                                      [(n.step, n.loss, n.norms) for n in st.numerics], now)
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
             top = max(o.state.step for o in self.ranks.values()) if self.ranks else 0
@@ -249,7 +257,7 @@ class Coordinator:
         members = {pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members}
         live = {r for r, o in seen.items() if o.state.alive}
         replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
-        for f in (self.state.update(now, members, live) + self.nonfinite.update(now, self.ranks)
+        for f in (self.state.update(now, members, live) + self._numeric(now, live) + self.nonfinite.update(now, self.ranks)
                   + self.hpz.update(now, live)
                   + self.replay.update(now, replicas) + self._stragglers(now, live)
                   + self._device_findings(now, live)):
@@ -312,15 +320,15 @@ class Coordinator:
     def _stragglers(self, now: float, live: set[int]) -> list[Finding]:
         findings = []
         for f in self.straggler.update(now, live):
-            if f.culprit_ranks and f.evidence.get("type") in PROFILED and self._start_profile(f, live, now):
-                continue  # emitted once the samples are in (_flush_due)
-            findings.append(f)
-        for f in findings:  # a stall names where the training code waits: the call site the probe saw
+            # a stall names where the training code waits: the call site the probe saw (slow loads, saves)
             where = {"data_loading": "data", "checkpoint_write": "ckpt"}.get(f.evidence.get("type"))
             for r in f.culprit_ranks if where else ():
                 site = self.ranks[r].state.io_sites.get(where) if r in self.ranks else None
                 if site:
                     f.stacks[str(r)] = site
+            if f.culprit_ranks and f.evidence.get("type") in PROFILED and self._start_profile(f, live, now):
+                continue  # emitted once the samples are in (_flush_due)
+            findings.append(f)
         wanted = self.straggler.comm.take_request()
         if wanted is not None:
             self._schedule_link_probe(now, *wanted)
@@ -355,11 +363,45 @@ class Coordinator:
         if where is not None:
             f.evidence["where"] = where.frame
             f.evidence["where_share"] = round(where.share, 3)
-            f.stacks[str(p.culprit)] = "[sampled, against its peers]\n" + where.line()
+            site = f.stacks.get(str(p.culprit))
+            f.stacks[str(p.culprit)] = "[sampled, against its peers]\n" + where.line() + (
+                f"\n[call site of slow loads/saves] {site}" if site else "")
             f.summary += f"; its time goes to {where.frame}"
-        elif slow:
-            f.stacks[str(p.culprit)] = "[sampled]\n" + "\n".join(slow.splitlines()[:8])
+        elif slow:  # sampled, but no function holds its excess alone (spread over its code, or the job ended)
+            f.evidence["where"] = None
         return f
+
+    def _numeric(self, now: float, live: set[int]) -> list[Finding]:
+        """Numerical outliers: each suspect waits for a confirmation (replay of its layers and the whole
+        replicated state, on every replica at one step ahead); the completed findings once it is in."""
+        classes: dict[str, list[int]] = {}
+        for r in live:
+            group = self.ranks[r].state.replica_group
+            if group:
+                classes.setdefault(group, []).append(r)
+        suspects = self.numerics.update(now, classes)
+        if suspects:  # what the probes can replay, as the rotation orders it
+            self.confirmations.replay_layers = next(
+                (list(o.state.replay_layers) for o in self.ranks.values() if o.state.replay_layers), [])
+        for s in suspects:
+            self.confirmations.add(s, confirmation.numeric_finding(s))
+            self.events.write("numeric_suspect", rank=s.rank, step=s.step, statistic=s.statistic, pattern=s.pattern,
+                              layer=s.layer, ratio=round(s.ratio, 4), z=round(s.z, 2))
+        if self.confirmations.queued is not None and self.confirmations.current is None:
+            step, rate = self._step_ahead(now, confirmation.LEAD_S, lead_steps=3)
+            rid = next(self.request_ids)
+            step_s = statistics.median(self._step_walls) if self._step_walls else 0.0
+            payload = self.confirmations.next_request(step, rid, now, step_s)
+            if payload is not None:
+                for ident in self.nodes:
+                    self.endpoint.send(ident, Command(kind="replay", request_id=rid, payload=payload))
+                pending = self.confirmations.current
+                self.console.info(f"numerical outlier on rank(s) {', '.join(map(str, sorted(pending.ranks)))}: "
+                                  f"confirming at step {step} (replay of {', '.join(pending.layers) or 'nothing'}, "
+                                  "the whole replicated state)")
+                self.events.write("confirmation_requested", step=step, layers=pending.layers,
+                                  ranks=sorted(pending.ranks), steps_per_s=round(rate, 2))
+        return self.confirmations.resolve(now, self.replay.outcomes, self.state.step_clean, self.state.outliers_at)
 
     def _schedule_link_probe(self, now: float, pg: str, members: list[int], before_s: float, now_s: float) -> None:
         """Collectives of `pg` slowed on every member: have the members time exchanges with each other at a
@@ -376,7 +418,8 @@ class Coordinator:
                           f"{now_s * 1e3:.1f} ms per step): link probe at step {step}")
         self.events.write("link_probe_requested", pg=pg, step=step, members=members, steps_per_s=round(rate, 2))
 
-    def _step_ahead(self, now: float) -> tuple[int | None, float]:
+    def _step_ahead(self, now: float, lead_s: float = REPLAY_LEAD_S,
+                    lead_steps: int = REPLAY_LEAD_STEPS) -> tuple[int | None, float]:
         """A step a few seconds of training ahead of where the ranks are now, and the recent step rate.
 
         The furthest step known is a digest old (up to an agent interval, plus the coordinator's own
@@ -386,12 +429,12 @@ class Coordinator:
         if not self._step_history:
             return None, 0.0
         t1, s1 = self._step_history[-1]
-        t0, s0 = next((t, s) for t, s in self._step_history if t >= t1 - REPLAY_LEAD_S)
+        t0, s0 = next((t, s) for t, s in self._step_history if t >= t1 - max(lead_s, REPLAY_LEAD_S))
         rate = (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else 0.0
         if rate <= 0.0 and self._step_walls:
             rate = 1.0 / max(1e-6, statistics.median(self._step_walls))
-        ahead = rate * (max(0.0, now - t1) + REPLAY_LEAD_S)
-        return s1 + max(REPLAY_LEAD_STEPS, int(ahead) + 1), rate
+        ahead = rate * (max(0.0, now - t1) + lead_s)
+        return s1 + max(lead_steps, int(ahead) + 1), rate
 
     def _replay_on_command(self, now: float) -> None:
         """`trainscout replay RUN_DIR` drops a request file; schedule the replay a few seconds of steps ahead.
@@ -591,6 +634,8 @@ class Coordinator:
         for p in self.pending_fetch.values():
             p.deadline = now
         self._flush_due(now)
+        for f in self.confirmations.abandon():
+            self.emit(f, now)
         self.events.write("straggler_trace", steps=self.straggler.trace_rows(), waits="per-step")
         self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected),
                           state_ranges_compared=self.state.compared, replays_compared=self.replay.replays_compared)

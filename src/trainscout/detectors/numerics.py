@@ -37,6 +37,7 @@ LOSS_REL = 0.1  # a persistent loss outlier is also >= 10 % away from its peers'
 NORM_PERSIST_RATIO = 1.5  # ... a persistent norm outlier >= 1.5x (or <= 1/1.5x) its peers'
 SPIKE_Z, SPIKE_RATIO = 12.0, 3.0
 LOSS_CALM_Z = 3.0
+SPIKE_GAP = 50  # at most one spike suspect per rank in this many steps (a fault that repeats is not a flood)
 WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
 _TINY = 1e-30
 
@@ -86,6 +87,8 @@ class NumericDetector:
         self._stats: dict[tuple[str, str], _Stat] = {}  # (class, "loss" | layer) -> dispersion
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, "loss" | layer) -> recent (step, side or 0)
         self._reported: set[tuple[int, str, str]] = set()
+        self._last_spike: dict[int, int] = {}  # rank -> step of its last spike suspect
+        self._named_ranks: set[int] = set()  # ranks already suspected of a persistent deviation
         self.steps_judged = 0
         self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
 
@@ -170,21 +173,51 @@ class NumericDetector:
                                               layers={k: round(v[0], 3) for k, v in norm_flags[r].items()}))
         for r, layers in norm_flags.items():
             spikes = {k: v for k, v in layers.items()
-                      if abs(v[1]) >= SPIKE_Z and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)}
+                      if abs(v[1]) >= SPIKE_Z and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)
+                      and self._isolated(r, k, step)}
             if not spikes or abs(loss_z.get(r, math.inf)) >= LOSS_CALM_Z:
                 if spikes:
                     self.trace.append((step, r, "spike with loss outlier", loss_z.get(r)))
                 continue
             layer, (ratio, z) = max(spikes.items(), key=lambda kv: abs(kv[1][1]))
-            key = (r, "grad_norm", f"spike@{step}")
-            if key in self._reported:
+            if step - self._last_spike.get(r, -SPIKE_GAP) < SPIKE_GAP:
                 continue
-            self._reported.add(key)
+            self._last_spike[r] = step
             out.append(NumericSuspect(r, step, "grad_norm", "spike", layer=layer, ratio=ratio, z=z, steps=[step],
                                       loss_z=loss_z.get(r, 0.0), layers={k: round(v[0], 3) for k, v in layers.items()}))
+        out = self._one_per_rank(out)
         for s in out:
             self.trace.append((s.step, s.rank, s.statistic, s.pattern, s.layer, round(s.ratio, 3), round(s.z, 1)))
         return out
+
+    def _one_per_rank(self, found: list[NumericSuspect]) -> list[NumericSuspect]:
+        """One persistent suspect per rank, once: a forward gone wrong moves the loss and most layers' norms
+        together (the loss first, else the layer furthest out, with every deviating layer listed)."""
+        persistent: dict[int, list[NumericSuspect]] = {}
+        out = []
+        for s in found:
+            if s.pattern == "persistent":
+                persistent.setdefault(s.rank, []).append(s)
+            else:
+                out.append(s)
+        for rank, group in persistent.items():
+            if rank in self._named_ranks:
+                continue  # already named; its other statistics follow from the same fault
+            self._named_ranks.add(rank)
+            lead = next((s for s in group if s.statistic == "loss"), None) or max(group, key=lambda s: abs(s.z))
+            for s in group:
+                if s.statistic == "grad_norm":
+                    lead.layers[s.layer] = round(s.ratio, 3)
+            out.append(lead)
+        return out
+
+    def _isolated(self, rank: int, name: str, step: int) -> bool:
+        """A spike is one step out of line: this statistic of this rank was not flagged in the steps before
+        (a deviation that lasts is the persistent rule's), nor named persistent already."""
+        if (rank, name, "persistent") in self._reported:
+            return False
+        hist = self._flags.get((rank, name), ())
+        return not any(side for s, side in hist if s < step)
 
     def _persist(self, rank: int, name: str, step: int, side: int) -> list[int] | None:
         """Record this step's flag (side +1/-1, 0: not flagged); the flagged steps once PERSIST_K of the last

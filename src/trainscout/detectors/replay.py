@@ -21,6 +21,7 @@ class ReplayDetector:
         self._deviations: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps it deviated
         self.replays_compared = 0
         self.clean_layers: set[str] = set()
+        self.outcomes: dict[tuple[int, str], tuple[str, list[int]]] = {}  # (step, layer) -> (status, outliers)
 
     def add(self, rank: int, records: list[ReplayRecord], now: float) -> None:
         for rec in records:
@@ -40,6 +41,7 @@ class ReplayDetector:
                 continue
             self.replays_compared += 1
             verdict = vote_exact(entry["ranks"])
+            self.outcomes[key] = (verdict.status, list(verdict.outliers))
             if verdict.status == "agree":
                 self.clean_layers.add(layer)
                 continue

@@ -23,6 +23,7 @@ class ReplicaStateDetector:
         self.compared = 0
         self.max_step = 0
         self.step_clean: dict[int, bool] = {}  # step -> every range compared at that step agreed
+        self.outliers_at: dict[int, set[int]] = {}  # step -> ranks a strict majority named at that step
 
     def add(self, rank: int, group: str | None, records: list[StateRecord], now: float) -> None:
         for rec in records:
@@ -52,6 +53,8 @@ class ReplicaStateDetector:
                 self.step_clean[step] = self.step_clean.get(step, True) and verdict.status == "agree"
             if verdict.status == "agree":
                 continue
+            if verdict.status == "attributed":
+                self.outliers_at.setdefault(step, set()).update(verdict.outliers)
             finding = self._finding(verdict, entry["ranks"], group, step, tensor, start, end)
             blame = tuple(finding.culprit_ranks) or tuple(sorted(entry["ranks"]))
             if blame in self._blamed:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.detectors.periodicity import LOOKBACK, regular_period
-from trainscout.detectors.time_split import BLOCKED, STARVED, PartWatch, blocked_s, starved_s
+from trainscout.detectors.time_split import BLOCKED, DATA, STARVED, PartWatch, blocked_s, data_s, starved_s
 from trainscout.findings import STRAGGLER, Finding
 from trainscout.wire.messages import GPU_UNMEASURED, LinkRecord, StepRecord
 
@@ -55,7 +55,6 @@ METRICS = (
     # healthy ranks beside a CPU hog ran 1.3-1.52x their peers for ~20 steps, their peers waiting for them.
     # Smaller excesses are left to the mid (16-step) and fine (64-step) tiers, which such episodes do not fill.
     Metric("cpu_s", "compute", rel=0.6, abs_s=0.002),
-    Metric("data_s", "data_loading", rel=0.5, abs_s=0.02),
     Metric("ckpt_s", "checkpoint_write", rel=0.5, abs_s=0.05),
 )
 # 64 steps: a healthy rank 0 ran 1.10-1.2x of its peers for ~40 steps on a loaded 2-core machine (its peers
@@ -95,7 +94,7 @@ class StragglerDetector:
         self._mid: dict[int, _SlidingMedian] = {}
         self._mid_flags: dict[int, deque] = {}
         # parts of the step's time straggler.py's metrics do not cover (time_split.py)
-        self.parts = [PartWatch(BLOCKED, blocked_s), PartWatch(STARVED, starved_s)]
+        self.parts = [PartWatch(BLOCKED, blocked_s), PartWatch(DATA, data_s), PartWatch(STARVED, starved_s)]
         self._waits: dict[int, deque] = {}  # rank -> collective wait, last FINE_WINDOW steps (arrival order)
         self._two_ratio: deque = deque(maxlen=TWO_RANK_WINDOW)  # 2 ranks: higher rank's compute / lower rank's
         self.intermittent_min = intermittent_min

@@ -63,6 +63,11 @@ class Part:
 BLOCKED = Part("blocked", window=5, abs_s=0.002, rel=0.04, z=6.0, k=4, m=5, spike_rel=0.5, spike_abs_s=0.02,
                intermittent_min=3, arrival=False,
                what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)")
+# Time inside DataLoader iteration is steady on healthy ranks too (the demo's in-process loader: ~0.5 ms a
+# batch): a blocking read of 5 ms a batch stands out like a blocked rank. Only ranks that loaded data in a step
+# are compared (a rank-0-only loader is a design choice, not a straggler).
+DATA = Part("data_loading", window=5, abs_s=0.002, rel=0.04, z=6.0, k=4, m=5, spike_rel=0.5, spike_abs_s=0.02,
+            intermittent_min=3, arrival=False, what="loading data (inside DataLoader iteration)")
 # Healthy ranks beside a CPU hog showed 8-step medians up to 58 ms over their peers' (1.4 steps): the scheduler
 # rotates whom it delays within a few tens of steps, so only a long, large excess is a starved core.
 STARVED = Part("starved", window=16, abs_s=0.01, rel=0.25, z=6.0, k=28, m=32, spike_rel=10.0, spike_abs_s=10.0,
@@ -74,6 +79,10 @@ def blocked_s(rec) -> float | None:
     if rec.runq_s < 0 or rec.wall_s <= 0:
         return None
     return rec.wall_s - rec.wait_s - rec.cpu_s - rec.runq_s - rec.data_s - rec.ckpt_s
+
+
+def data_s(rec) -> float | None:
+    return rec.data_s if rec.data_s > 0 else None
 
 
 def starved_s(rec) -> float | None:

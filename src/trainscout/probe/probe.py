@@ -94,7 +94,8 @@ class Probe:
         self.link_probe = None
         if os.environ.get("TRAINSCOUT_LINK_PROBE", "1") != "0":
             self.link_probe = LinkProbe(self.publisher.append_locked, rank, self._error)
-        self._replay_request: tuple[int, int, str] | None = None  # (id, step, layer) from `trainscout replay`
+        # from `trainscout replay` or a confirmation the coordinator asked for: {"id", "step", "layers", "state"}
+        self._replay_request: dict | None = None
         self._replay_requests = RequestFile(replay_request_path(run_id))
         self._link_requests = RequestFile(link_probe_request_path(run_id))
         self.publisher.on_tick = self._read_requests
@@ -175,7 +176,9 @@ class Probe:
         """Publisher thread: pick up a replay request the agent wrote (see coordinator `_replay_on_command`)."""
         doc = self._replay_requests.take(self.step, lambda text: self._error(f"on-command replay {text}"))
         if doc is not None:
-            self._replay_request = (int(doc["id"]), int(doc["step"]), str(doc.get("layer") or ""))
+            layers = [str(x) for x in doc.get("layers") or []] or [str(doc.get("layer") or "")]
+            self._replay_request = {"id": int(doc["id"]), "step": int(doc["step"]), "layers": layers,
+                                    "state": bool(doc.get("state"))}
 
     def costs(self) -> dict:
         """What the probe's own checks cost this rank (seconds on the training thread), for the run's summary."""
@@ -197,8 +200,10 @@ class Probe:
                                    "units": gc.modules}
         if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
             out["nonfinite"] = {"seconds": self.nonfinite.spent_s, "setup_seconds": self.nonfinite.setup_s}
-            if self.nonfinite.cpu_checks:  # CPU gradients: tested every `stride` steps (the budget)
+            if self.nonfinite.cpu_checks and self.evidence is None:  # CPU gradients: every `stride` steps (budget)
                 out["nonfinite"].update(cpu_checks=self.nonfinite.cpu_checks, stride=self.nonfinite.stride)
+            if self.evidence is not None:  # the same pass measures the loss and layer norms every step
+                out["nonfinite"].update(evidence_records=self.evidence.records, layers=len(self.evidence.layers))
         if self.publisher is not None and self.publisher.dumps:  # on the probe's thread, not the training thread
             out["flight_recorder"] = {"seconds": self.publisher.dump_s, "dumps": self.publisher.dumps}
         return out
@@ -402,20 +407,32 @@ class Probe:
                 self.state_check = None
                 self._error(f"replicated-state check disabled: {exc!r}")
         request = self._replay_request
-        on_command = request is not None and request[1] == self.step
+        on_command = request is not None and request["step"] == self.step
+        if on_command and request["state"] and self.state_check is not None:
+            try:  # a confirmation: the whole replicated state at this step, on every replica
+                self.state_check.full_check(self.step)
+            except Exception as exc:  # fail open
+                self._error(f"whole-state check failed: {exc!r}")
+        several = on_command and len(request["layers"]) > 1
         if self.replay is not None and (on_command or self.replay.due(self.step)):
             try:
-                self.replay.run(self.step, on_command=on_command, step_s=self.timing.last_wall_s)
+                if several:
+                    self.replay.run_layers(self.step, request["layers"])
+                else:
+                    self.replay.run(self.step, on_command=on_command, step_s=self.timing.last_wall_s)
             except Exception as exc:  # fail open
                 self.replay = None
                 self._error(f"replay disabled: {exc!r}")
-        if request is not None and self.replay is not None:
-            if self.step >= request[1]:
+        if request is not None:
+            if self.step >= request["step"]:
                 self._replay_request = None
-                if self.step > request[1]:  # read too late: the other replicas replayed without us
-                    self._error(f"on-command replay at step {request[1]} missed (request read at step {self.step})")
-            else:
-                self.replay.prepare(request[2])
+                if self.step > request["step"]:  # read too late: the other replicas replayed without us
+                    self._error(f"on-command replay at step {request['step']} missed (request read at step "
+                                f"{self.step})")
+            elif self.replay is not None and len(request["layers"]) > 1:
+                self.replay.prepare_layers(request["layers"])
+            elif self.replay is not None:
+                self.replay.prepare(request["layers"][0])
         if self.replay is not None and self._replay_request is None:  # (one on command is armed by prepare)
             self.replay.arm_if_due(self.step + 1)
         if self.link_probe is not None and self.link_probe.due(self.step):

@@ -73,12 +73,15 @@ class Replay:
         if self.due(next_step):
             self._arm()
 
-    def _arm(self) -> None:
+    def _arm(self, names: list[str] | None = None) -> None:
         # One pre-hook on one layer for one step: a hook on every layer, every step, cost each forward
-        # a Python call per layer for an input kept once every `every` steps.
+        # a Python call per layer for an input kept once every `every` steps. A confirmation arms several.
         self._disarm()
-        if self.layers:
-            name, layer = self.layers[self._next_index]
+        self._captured = {}
+        if not self.layers:
+            return
+        chosen = [self.layers[self._next_index]] if names is None else [(n, m) for n, m in self.layers if n in names]
+        for name, layer in chosen:
             self._handles.append(layer.register_forward_pre_hook(self._capture_hook(name)))
 
     def _disarm(self) -> None:
@@ -90,7 +93,7 @@ class Replay:
         # Registered only on the layer of the next replay (see _arm): one activation held, not one per layer.
         def hook(module, args):
             if len(args) == 1 and hasattr(args[0], "detach") and module.training:
-                self._captured = {name: args[0].detach()}
+                self._captured[name] = args[0].detach()
         return hook
 
     def due(self, step: int) -> bool:
@@ -112,6 +115,28 @@ class Replay:
             if name == layer:
                 self._next_index = i
         self._arm()
+
+    def prepare_layers(self, names: list[str]) -> None:
+        """A confirmation will replay these layers at the next step: capture each one's input."""
+        self._arm([n for n in names if any(n == name for name, _ in self.layers)])
+
+    def run_layers(self, step: int, names: list[str]) -> None:
+        """Replay each of these layers now (the same list, in the rotation's order, on every replica); the
+        schedule's rotation and interval are left as they were."""
+        t0 = time.perf_counter()
+        self._disarm()
+        for name, layer in self.layers:
+            if name not in names:
+                continue
+            x, _ = self._exchange_input(name, self.interval)
+            if x is None:
+                continue
+            out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
+            self.count += 1
+            self.append(REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay",
+                        f"{name}|{param_hash:016x}")
+        self._captured = {}
+        self.spent_s += time.perf_counter() - t0
 
     def run(self, step: int, on_command: bool = False, step_s: float = 0.0) -> None:
         """Replay at this step (scheduled, or on command); step_s: this rank's recent step time (budget)."""

@@ -53,6 +53,7 @@ class StateCheck:
         self._bytes = 0  # total bytes of the planned state
         self._device = None  # the CUDA path (device_state.DeviceStateHashes), made when CUDA state shows up
         self._params_of = None  # a module whose parameters alone are the replicated state (ZeRO-1/2)
+        self.full_checks = 0  # whole-state checks asked for by the coordinator (confirmations)
 
     def register(self, name: str, group: str | None = None) -> int:
         """Id of a named tensor in the sidecar table the agent reads (append-only, so ids stay valid)."""
@@ -123,6 +124,30 @@ class StateCheck:
         self._cost_s = cost if not self._cost_s else 0.8 * self._cost_s + 0.2 * cost
         self._adapt_stride()
 
+    def full_check(self, step: int) -> int:
+        """Hash every slot now, whatever the stride: a confirmation the coordinator asked for at this step on
+        every replica (a numerical outlier on one of them: is its state still equal to theirs?). Returns the
+        bytes hashed (CUDA ones are published on later steps, like the rotation's)."""
+        if self.replica_group is None or not self._slots:
+            return 0
+        from trainscout.fingerprint import fingerprint_range
+
+        t0 = time.perf_counter()
+        spent = 0
+        for index in range(len(self._slots)):
+            items = self._slots[index]
+            if self._device is not None:
+                items, device_bytes = self._device.launch(self._slots, index, step)
+                spent += device_bytes
+            for tid, t, start, end in items:
+                self.append(STATE_PG_INDEX, tid, fingerprint_range(t, start, end), start, time.time_ns(), step,
+                            "state", f"{start}:{end}")
+                spent += end - start
+        self.checked_bytes += spent
+        self.spent_s += time.perf_counter() - t0
+        self.full_checks += 1
+        return spent
+
     def _adapt_stride(self) -> None:
         """The stride for the smoothed cost per hashed step (probe/budget.py); the table says it to the agent."""
         if self.fixed_period or self._wall_s <= 0 or self.budget <= 0:
@@ -192,7 +217,8 @@ class StateCheck:
             slots.append(slots[0])  # an odd count lets every power-of-two stride reach every slot
         self._slots = slots
         if self._device is None and device_state.usable(tensors):
-            self._device = device_state.DeviceStateHashes()
+            # deep enough for a whole-state confirmation (every slot at once) on top of the rotation's in flight
+            self._device = device_state.DeviceStateHashes(depth=_TARGET_SLOTS + 9)
         if self._device is not None:
             self._device.prepare(slots)  # compiles the kernel now, not on a later check step
         self._bytes = total

@@ -56,6 +56,9 @@ def summary_line(run_dir: str) -> str:
     strides = [r["nonfinite"]["stride"] for r in reports if "stride" in r.get("nonfinite", {})]
     if strides:  # the budget's doing: a NaN born in backward on another step shows a step later, on every rank
         parts.append(f"CPU gradients tested for NaN/Inf every {max(strides)} steps (the loss every step)")
+    layers = [r["nonfinite"]["layers"] for r in reports if "layers" in r.get("nonfinite", {})]
+    if layers:  # the non-finite pass also measures the per-step evidence
+        parts.append(f"loss and {max(layers)} layer gradient norms measured every step (with the non-finite test)")
     if not parts:
         return ""
     return f"trainscout's in-rank checks, median over {len(reports)} ranks: " + "; ".join(parts)

@@ -1,0 +1,131 @@
+"""Numerical outliers among replicas (detectors/numerics.py) and their confirmation (coordinator/confirmation.py),
+on plain numbers: each rank's local loss and per-layer gradient norms before the all-reduce."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from trainscout.coordinator.confirmation import Confirmations, numeric_finding
+from trainscout.detectors.numerics import NumericDetector
+
+WORLD = (0, 1, 2, 3)
+LAYERS = ["tokens", "blocks.0", "blocks.1", "head"]
+
+
+def _run(steps, loss_of=None, norms_of=None, seed=0, world=WORLD):
+    """Replicas on different batches: losses ~4 +- 3 %, norms ~0.3 +- 8 % per layer, falling slowly."""
+    rng = random.Random(seed)
+    det, found = NumericDetector(), []
+    for s in steps:
+        base = 4.0 * math.exp(-s / 400)
+        for r in world:
+            loss = base * (1 + rng.gauss(0, 0.03))
+            norms = [0.3 * (1 + rng.gauss(0, 0.08)) * (1 + i / 10) for i in range(len(LAYERS))]
+            if loss_of:
+                loss = loss_of(r, s, loss)
+            if norms_of:
+                norms = norms_of(r, s, norms)
+            det.add(r, "dp", LAYERS, [(s, loss, norms)], 0.0)
+        found += det.update(0.0, {"dp": list(world)})
+    return found
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_healthy_replicas_give_no_suspect(seed):
+    assert _run(range(1, 500), seed=seed) == []
+
+
+def test_one_step_of_noise_in_one_layers_gradient_is_a_spike_with_a_calm_loss():
+    found = _run(range(1, 200), norms_of=lambda r, s, n: [x * 300 if r == 1 and s == 120 and i == 1 else x
+                                                          for i, x in enumerate(n)])
+    assert [(f.rank, f.statistic, f.pattern, f.layer, f.step) for f in found] == [(1, "grad_norm", "spike", "blocks.0", 120)]
+    assert found[0].ratio > 100 and abs(found[0].loss_z) < 3
+
+
+def test_a_gradient_jump_that_comes_with_a_loss_jump_is_a_hard_batch_not_a_spike():
+    found = _run(range(1, 200), loss_of=lambda r, s, x: x * 3 if r == 1 and s == 120 else x,
+                 norms_of=lambda r, s, n: [x * 20 if r == 1 and s == 120 else x for x in n])
+    assert found == []
+
+
+def test_a_rank_whose_forward_went_wrong_is_a_persistent_loss_outlier():
+    found = _run(range(1, 200), loss_of=lambda r, s, x: x * 1.8 if r == 2 and s >= 100 else x)
+    assert [(f.rank, f.statistic, f.pattern) for f in found][:1] == [(2, "loss", "persistent")]
+    assert found[0].step - 100 <= 6 and found[0].ratio > 1.5
+
+
+def test_a_persistently_scaled_layer_gradient_is_named_with_its_layer():
+    found = _run(range(1, 200), norms_of=lambda r, s, n: [x * 2.5 if r == 0 and s >= 100 and i == 2 else x
+                                                          for i, x in enumerate(n)])
+    assert [(f.rank, f.statistic, f.pattern, f.layer) for f in found] == [(0, "grad_norm", "persistent", "blocks.1")]
+
+
+def test_two_replicas_cannot_attribute():
+    found = _run(range(1, 200), loss_of=lambda r, s, x: x * 3 if r == 1 and s >= 100 else x, world=(0, 1))
+    assert found == []
+
+
+def test_nothing_is_judged_during_warm_up():
+    found = _run(range(1, 20), loss_of=lambda r, s, x: x * 5 if r == 1 else x)
+    assert found == []
+
+
+def test_non_finite_values_are_left_to_the_non_finite_check():
+    found = _run(range(1, 200), loss_of=lambda r, s, x: math.nan if r == 1 and s >= 100 else x,
+                 norms_of=lambda r, s, n: [math.inf] * len(n) if r == 1 and s >= 100 else n)
+    assert found == []
+
+
+# ---- confirmation -----------------------------------------------------------------------------------------
+
+def _suspect(statistic="grad_norm", pattern="spike", layer="blocks.0"):
+    found = _run(range(1, 130), norms_of=lambda r, s, n: [x * 300 if r == 1 and s == 120 and i == 1 else x
+                                                          for i, x in enumerate(n)])
+    (s,) = found
+    return s
+
+
+def test_a_confirmation_asks_for_the_deviating_layers_and_the_whole_state_at_one_step():
+    c = Confirmations(replay_layers=LAYERS)
+    s = _suspect()
+    c.add(s, numeric_finding(s))
+    payload = c.next_request(150, 7, now=0.0, step_s=0.05)
+    assert payload is not None and '"step": 150' in payload and '"state": true' in payload
+    assert c.current.layers == LAYERS  # a layer going wrong shows in its neighbours' norms too: all replayed
+    assert c.next_request(160, 8, now=0.0, step_s=0.05) is None  # one at a time
+
+
+def test_a_deviation_that_reproduces_is_named_with_confidence():
+    c = Confirmations(replay_layers=LAYERS)
+    s = _suspect()
+    c.add(s, numeric_finding(s))
+    c.next_request(150, 7, now=0.0, step_s=0.05)
+    assert c.resolve(1.0, {}, {}, {}) == []  # still awaited
+    outcomes = {(150, layer): ("agree", []) for layer in LAYERS}
+    outcomes[(150, "blocks.0")] = ("attributed", [1])
+    (f,) = c.resolve(2.0, outcomes, {150: True}, {})
+    assert f.culprit_ranks == [1] and f.kind == "sdc" and f.evidence["confirmation"]["outcome"] == "reproduced"
+    assert f.confidence > 0.9 and "blocks.0" in f.summary
+
+
+def test_a_deviation_that_does_not_reproduce_is_a_transient_at_lower_confidence():
+    c = Confirmations(replay_layers=LAYERS)
+    s = _suspect()
+    c.add(s, numeric_finding(s))
+    c.next_request(150, 7, now=0.0, step_s=0.05)
+    (f,) = c.resolve(2.0, {(150, layer): ("agree", []) for layer in LAYERS}, {150: True}, {})
+    assert f.culprit_ranks == [1] and f.evidence["confirmation"]["outcome"] == "transient"
+    assert f.confidence <= 0.5 and f.evidence["layer"] == "blocks.0" and f.step == 120
+
+
+def test_results_that_never_come_release_the_finding_at_the_deadline():
+    c = Confirmations(replay_layers=LAYERS)
+    s = _suspect()
+    c.add(s, numeric_finding(s))
+    c.next_request(150, 7, now=0.0, step_s=0.05)
+    assert c.resolve(5.0, {}, {}, {}) == []
+    (f,) = c.resolve(100.0, {}, {}, {})
+    assert f.evidence["confirmation"]["outcome"] == "unconfirmed"
