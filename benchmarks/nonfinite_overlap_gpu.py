@@ -52,12 +52,12 @@ def launch(tensors, key, stream):
         ev = torch.cuda.Event()
         ev.record(train_stream)
         side.wait_event(ev)
-    slot = results.take(dev, lay.n_out)
+    slot = results.take(dev, getattr(lay, "n_values", lay.n_out))
     if slot is None:
         return
     with torch.cuda.stream(stream):
         nc.enqueue(lay, [t.data_ptr() for t in tensors], slot.device, slot)
-        results.submit(slot, lay.n_out, key)
+        results.submit(slot, getattr(lay, "n_values", lay.n_out), key)
 
 def hook(p):
     if state["learn"]:

@@ -5,7 +5,8 @@ right step, although nothing is read back until a later step.
   byte range, on its first (compiling) and later (raw) calls.
 - `StateCheck` on CUDA state publishes, a step or more later, the CPU fingerprint of the bytes the state held
   at the step each record names.
-- `NonFiniteCheck` on CUDA names the gradient and the step a NaN appeared in, and a non-finite loss.
+- `NonFiniteCheck` on CUDA names the gradient and the step a NaN appeared in, and a non-finite loss; its kernel
+  counts the non-finite elements and sums the squares of each tensor and reads the loss, as torch does.
 """
 
 from __future__ import annotations
@@ -135,31 +136,39 @@ def test_prepared_ranges_rebound_to_new_storage_equal_the_cpu_reference(gen, cud
         prepared.enqueue(out, [torch.zeros(5, device=cuda)] * len(shapes))  # sizes differ
 
 
-def test_nonfinite_counting_kernel_counts_each_tensor(gen, cuda):
+def test_nonfinite_kernel_counts_and_sums_squares_of_each_tensor_and_reads_the_loss(gen, cuda):
+    import numpy as np
+
     from trainscout.probe import nonfinite_cuda
 
     big = nonfinite_cuda.CHUNK + nonfinite_cuda.BLOCK + 3  # two items, the second with a ragged tail
     for trial in range(3):
         base = torch.randn(100, generator=gen, device=cuda)
-        tensors = [torch.randn((), generator=gen, device=cuda), torch.randn(big, generator=gen, device=cuda),
+        tensors = [-torch.rand((), generator=gen, device=cuda) - 0.5, torch.randn(big, generator=gen, device=cuda),
                    torch.randn(64, 33, generator=gen, device=cuda).to(torch.bfloat16),
                    torch.randn(17, generator=gen, device=cuda).half(), torch.randn(9, generator=gen, device=cuda).double(),
                    base[1:50] if trial == 2 else base[:49]]  # trial 2: an address not 16-byte aligned
-        for t in tensors:
+        for t in tensors[1:]:
             flat = t.view(-1)
             picks = torch.randint(0, flat.numel(), (trial,), generator=gen, device=cuda)
             for k, i in enumerate(picks.tolist()):
                 flat[i] = (float("nan"), float("inf"), -float("inf"))[k % 3]
         layout = nonfinite_cuda.Layout(tensors)
         slot = types.SimpleNamespace(aux=None)
-        out = torch.full((layout.n_out + 2,), -7.0, device=cuda)  # poisoned: every item must be written
+        n = layout.n_out
+        out = torch.full((layout.n_values + 2,), -7.0, device=cuda)  # poisoned: every output must be written
+        want_counts = [float((~torch.isfinite(t)).sum()) for t in tensors]
+        want_sumsq = [float(t.double().square().sum()) for t in tensors]
         for _ in range(2):  # the first launch compiles, the second launches raw
-            out[: layout.n_out] = -7.0
+            out[: layout.n_values] = -7.0
             nonfinite_cuda.enqueue(layout, [t.data_ptr() for t in tensors], out, slot)
-            got = out.cpu().numpy()
-            per = [float(got[:layout.n_out][layout.owner == i].sum()) for i in range(len(tensors))]
-            want = [float((~torch.isfinite(t.float())).sum()) for t in tensors]
-            assert per == want and list(got[layout.n_out:]) == [-7.0, -7.0], (trial, per, want)
+            got = out.cpu().numpy().astype(np.float64)
+            counts = np.bincount(layout.owner, weights=got[:n], minlength=len(tensors))
+            sumsq = np.bincount(layout.owner, weights=got[n:2 * n], minlength=len(tensors))
+            assert list(counts) == want_counts, (trial, counts, want_counts)
+            np.testing.assert_allclose(sumsq, want_sumsq, rtol=1e-5, equal_nan=True)  # Inf and NaN propagate
+            assert got[2 * n] == float(tensors[0]) < 0  # the loss's value, sign included
+            assert list(got[layout.n_values:]) == [-7.0, -7.0]
 
 
 def test_gather_check_on_cuda_publishes_the_cpu_fingerprint_of_each_gathered_parameter(cuda, gen):

@@ -21,13 +21,16 @@ loss itself, and CUDA gradients (an asynchronous kernel), are checked every step
 CUDA tensors are checked without a host sync, once per backward. The wrapper hooks the start of the
 backward pass and queues an engine callback from there; engine callbacks run in order at the end of the
 pass, and DDP queues the callback that copies the reduced buckets back into `.grad` only when its last
-bucket is ready, so ours runs first and reads the local gradients. It launches one Triton kernel over
-the loss and all gradients (`nonfinite_cuda`: per chunk of a tensor, how many elements are NaN or Inf)
-into one small device vector, copies that to pinned memory behind an event, and the vector is judged on
-a later step once the event has completed (`check_step`). Where that kernel cannot run (no Triton, a
-strided gradient, another dtype, a gradient missing this step) the vector holds the loss and one fused
-L1 norm per gradient instead (`torch._foreach_norm`; NaN and Inf propagate into it), at ~10x the host
-time on a small model. With `gradient_as_bucket_view=True` DDP all-reduces the gradients in
+bucket is ready, so ours runs first and reads the local gradients. It launches one Triton kernel per dtype
+over the loss and all gradients (`nonfinite_cuda`: per chunk of a tensor, how many elements are NaN or Inf
+and the sum of their squares; and the loss's value) into one small device vector, copies that to pinned
+memory behind an event, and the vector is judged on a later step once the event has completed
+(`check_step`): the counts name the non-finite origin, and with per-step evidence on, the sums of squares
+added up per gradient and the loss become that step's evidence record (`local_evidence`), from the same
+read of the gradients. Where that kernel cannot run (no Triton, a strided gradient, another dtype, a
+gradient missing this step) the vector holds the loss and one fused L2 norm per gradient instead
+(`torch._foreach_norm` in float64; NaN and Inf propagate into it), which serves both purposes too at ~1.5x
+the host time on a small model. With `gradient_as_bucket_view=True` DDP all-reduces the gradients in
 place while backward still runs, so there each gradient's norm is enqueued in its own post-accumulate-grad
 hook instead, which runs before DDP marks the gradient ready. Records carry the step the values belong to.
 """
@@ -63,9 +66,11 @@ class NonFiniteCheck:
     def __init__(self, append, get_step, on_error=None, on_cpu=None, budget: float = 0.001,
                  evidence=None) -> None:
         self.append = append
-        # per-step numerical evidence (probe/local_evidence.py): with it, the gradient pass runs every step and
-        # measures each gradient's sum of squares, from which the non-finite test follows
+        # per-step numerical evidence (probe/local_evidence.py): with it, the CPU gradient pass runs every step
+        # and measures each gradient's sum of squares, from which the non-finite test follows; on CUDA the
+        # counting kernel (or the norm fallback) measures them in the pass it makes anyway
         self.evidence = evidence
+        self._evidence_orders: dict[tuple, tuple] = {}  # names of a device vector -> where they go in the evidence
         self._hook_sumsq = np.zeros(0)  # bucket-view DDP (CPU): sums of squares from per-gradient hooks
         self._hook_names: list[str] = []
         self._device_hook_names: list[str] = []  # bucket-view DDP (CUDA): gradients normed in their hooks
@@ -216,6 +221,7 @@ class NonFiniteCheck:
             names = self._hook_names + self._cpu_names or self._device_names + self._device_hook_names
             self.evidence.set_params(names)
             self._evidence_pos = {n: i for i, n in enumerate(names)}
+            self._evidence_orders = {}
 
     def check_step(self, step_wall_s: float = 0.0) -> None:
         """Called after the optimizer step: report the first gradient whose local sum was not finite, and,
@@ -380,8 +386,7 @@ class NonFiniteCheck:
             if self._bucket_norms:
                 named, self._bucket_norms = self._bucket_norms, []
                 self._submit(step, loss, [n for _, n in named], tuple(name for name, _ in named), norms=True)
-            # the counting kernel gives no norms: with per-step evidence the norm path serves
-            elif self.evidence is not None or not (self._counts_ok and self._submit_counts(step, loss)):
+            elif not (self._counts_ok and self._submit_counts(step, loss)):
                 grads = [p.grad for p in self._device_params]
                 names = self._device_names
                 if any(g is None for g in grads):
@@ -458,7 +463,7 @@ class NonFiniteCheck:
                 from trainscout.probe.device_results import DeviceResults
 
                 self._results = DeviceResults(torch.float32, depth=RESULTS_DEPTH)
-            slot = self._results.take(loss.device, layout.n_out)
+            slot = self._results.take(loss.device, layout.n_values)
             if slot is None:
                 return True  # the GPU is far behind: skip this check rather than wait
             try:
@@ -468,7 +473,7 @@ class NonFiniteCheck:
                 raise
             if len(nonfinite_cuda._compiled) != compiled:
                 self._charge = False
-            self._results.submit(slot, layout.n_out, (step, self._device_names, layout.owner))
+            self._results.submit(slot, layout.n_values, (step, self._device_names, layout.owner))
             self.device_checks += 1
             return True
         except Exception as exc:  # the norm path still works: use it from now on
@@ -494,16 +499,21 @@ class NonFiniteCheck:
         return ptrs
 
     def _judge(self, payload, values) -> None:
-        """values: [loss, |g_1|_1, ...] as they came back from the device (numpy array or list); or, with
-        a third payload entry (owner: value index -> 0 for the loss, i for gradient i), counts of
-        non-finite elements per chunk."""
+        """values: [loss, |g_1|_2, ...] as they came back from the device (numpy array or list); or, with
+        a third payload entry (owner: item -> 0 for the loss, i for gradient i), the counting kernel's vector:
+        non-finite elements per item, sums of squares per item, the loss (nonfinite_cuda's module docstring)."""
         step, names = payload[0], payload[1]
         if len(payload) > 2:
+            owner = payload[2]
             values = np.asarray(values)
-            if not values.any():  # the usual case: one reduction, nothing else
+            n = owner.size
+            counts = values[:n]
+            if self.evidence is not None and values.size > 2 * n:
+                sumsq = np.bincount(owner, weights=values[n:2 * n], minlength=len(names) + 1)  # float64
+                self._emit_evidence(step, names, float(values[2 * n]), sumsq[1:])
+            if not counts.any():  # the usual case: one reduction, nothing else
                 return
-            bad = np.flatnonzero(values)
-            owners = payload[2][bad]
+            owners = owner[np.flatnonzero(counts)]
             if (owners == 0).any():
                 self._report_at(step, "loss", "")
             grads = owners[owners > 0]
@@ -523,15 +533,28 @@ class NonFiniteCheck:
                 break
 
     def _device_evidence(self, step: int, names, values) -> None:
-        """A CUDA step's landed [loss, L2 norm per gradient] as the step's evidence (a few steps late)."""
-        pos = self._evidence_pos
+        """A CUDA step's landed [loss, L2 norm per gradient] (the norm path) as the step's evidence."""
         norms = np.asarray(values[1:], dtype=np.float64)
-        sumsq = np.zeros(len(pos))
-        for name, n in zip(names, norms):
-            i = pos.get(name)
-            if i is not None:
-                sumsq[i] = n * n
-        self.evidence.emit_values(step, float(values[0]), sumsq)
+        self._emit_evidence(step, names, float(values[0]), norms * norms)
+
+    def _emit_evidence(self, step: int, names, loss: float, sumsq: np.ndarray) -> None:
+        """One CUDA step's evidence, a few steps late: sumsq[i] belongs to gradient names[i]; the evidence
+        wants its own parameter order (hook_params), worked out once per list of names."""
+        key = names if isinstance(names, tuple) else tuple(names)
+        order = self._evidence_orders.get(key)
+        if order is None:
+            if len(self._evidence_orders) > 16:  # lists of present gradients that vary: keep it bounded
+                self._evidence_orders.clear()
+            pos = self._evidence_pos
+            index = np.fromiter((pos.get(name, -1) for name in key), dtype=np.int64, count=len(key))
+            same = len(key) == len(pos) and bool((index == np.arange(len(key))).all())
+            order = self._evidence_orders[key] = (same, index[index >= 0], np.flatnonzero(index >= 0))
+        same, to, frm = order
+        if not same:
+            ordered = np.zeros(len(self._evidence_pos))
+            ordered[to] = sumsq[frm]
+            sumsq = ordered
+        self.evidence.emit_values(step, loss, sumsq)
 
     def _disable(self, exc: BaseException) -> None:
         self._device_ok = False

@@ -1,5 +1,5 @@
-"""The non-finite check's CUDA kernel: one launch counts the NaN/Inf elements of the loss and of every local
-gradient, with no host sync and little host work per step.
+"""The non-finite check's CUDA kernel: one launch per dtype counts the NaN/Inf elements of the loss and of every
+local gradient and sums their squares, with no host sync and little host work per step.
 
 `NonFiniteCheck` runs at the end of every backward pass. On a small model the step is short and host-bound,
 so what matters is the Python on the training thread: one `torch._foreach_norm` over 54 gradients, the stack
@@ -7,9 +7,21 @@ of its 54 outputs and the copy cost ~0.2 ms of host time there, ~2 % of a 10 ms 
 shapes and dtypes are fixed once (`Layout`), cut into items of at most `CHUNK` elements; per step the host
 only reads each gradient's address, writes the addresses (as offsets from a reference pointer) into a small
 pinned table, copies it to the device and launches one Triton program per item, per dtype. Each program
-tests the exponent bits of its elements (all ones: Inf or NaN; integer work, which no fast-math flag can
-fold away) and writes how many it found into `out[item]`. The host later maps nonzero items back to the
-loss (tensor 0) or a gradient.
+reads its elements once, as integers: it tests their exponent bits (all ones: Inf or NaN; integer work, which
+no fast-math flag can fold away) and, from a bitcast of the same load, adds up their squares (float32; float64
+for float64 tensors). The same pass thus gives the per-step numerical evidence (probe/local_evidence.py: the
+local loss and each layer's gradient norm) and the non-finite origin.
+
+The result vector (`Layout.n_values` float32 values):
+
+    out[0 : n_out]            non-finite elements of item j (exact: an item holds at most CHUNK < 2**24)
+    out[n_out : 2 * n_out]    sum of squares of item j's elements (NaN/Inf propagate into it)
+    out[2 * n_out]            the value of tensor 0, the loss, sign included (only when it has one element)
+
+`Layout.owner[j]` is the tensor item j belongs to (0: the loss); the host adds items up per tensor.
+
+A finite item's sum of squares overflows float32 only if its elements' root mean square exceeds ~3.6e16 (or
+one element exceeds ~1.8e19): then it reads Inf, which no count confirms, so nothing is reported non-finite.
 
 The reads are 16 bytes wide when every address is 16-byte aligned (caching-allocator blocks are): the
 table then holds offsets in 16-byte units, so the compiler can prove the alignment from the arithmetic.
@@ -39,27 +51,45 @@ CHUNK = 64 * BLOCK
 NUM_WARPS = 8
 ALIGN = 16  # bytes
 
-# dtype -> (the integer dtype of the same width, the exponent mask: all exponent bits set = Inf or NaN)
+# dtype -> (the integer dtype of the same width, the exponent mask: all exponent bits set = Inf or NaN,
+# how the kernel turns the integer into the float value: KIND below)
 _BITS = {
-    torch.float32: (torch.int32, 0x7F800000),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float64: (torch.int64, 0x7FF0000000000000),
+    torch.float32: (torch.int32, 0x7F800000, 0),
+    torch.float16: (torch.int16, 0x7C00, 1),
+    torch.bfloat16: (torch.int16, 0x7F80, 2),
+    torch.float64: (torch.int64, 0x7FF0000000000000, 3),
 }
 
 _ESIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize_on_alignment=["toff_ptr", "item_ptr", "out_ptr"])
-    def _count_nonfinite_kernel(
+    @triton.jit
+    def _as_float(x, KIND: tl.constexpr):
+        """The float value of elements loaded as integers (a bitcast of the same registers, no second read),
+        in the accumulator's type: float32, float64 for float64 tensors. bfloat16 is the top half of a float32."""
+        if KIND == 0:
+            return x.to(tl.float32, bitcast=True)
+        elif KIND == 1:
+            return x.to(tl.float16, bitcast=True).to(tl.float32)
+        elif KIND == 2:
+            return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float64, bitcast=True)
+
+    @triton.jit(do_not_specialize_on_alignment=["toff_ptr", "item_ptr", "count_ptr", "sumsq_ptr", "value_ptr"])
+    def _check_kernel(
         ref_ptr,  # intN: the reference address (16-byte aligned); tensors are read at ref + offset
         toff_ptr,  # int64 [tensors]: each tensor's offset from ref, in UNIT-element steps
         item_ptr,  # int64 [items, 3]: (tensor, first block, elements)
-        out_ptr,  # float32 [items]: non-finite elements found
+        count_ptr,  # float32 [items]: non-finite elements found
+        sumsq_ptr,  # float32 [items]: sum of the elements' squares
+        value_ptr,  # float32 [1]: the value of item 0 (a one-element loss), written when WITH_VALUE
         EXP: tl.constexpr,
+        KIND: tl.constexpr,
         UNIT: tl.constexpr,
         BLOCK: tl.constexpr,
+        WITH_VALUE: tl.constexpr,
     ):
         pid = tl.program_id(0)
         t = tl.load(item_ptr + 3 * pid)
@@ -68,15 +98,27 @@ if HAVE_TRITON:
         # UNIT * x + BLOCK * y: the compiler sees a multiple of UNIT elements (16 bytes when aligned)
         p = ref_ptr + (tl.load(toff_ptr + t) * UNIT + first * BLOCK)
         offs = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        if KIND == 3:
+            sq = tl.zeros([BLOCK], dtype=tl.float64)
+        else:
+            sq = tl.zeros([BLOCK], dtype=tl.float32)
         n_full = n // BLOCK
         for i in range(n_full):
             x = tl.load(p + i * BLOCK + offs, eviction_policy="evict_first")
-            acc += ((x & EXP) == EXP).to(tl.int32)
+            bad += ((x & EXP) == EXP).to(tl.int32)
+            f = _as_float(x, KIND)
+            sq += f * f
         m = offs < n - n_full * BLOCK
-        x = tl.load(p + n_full * BLOCK + offs, mask=m, other=0)
-        acc += ((x & EXP) == EXP).to(tl.int32)
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0).to(tl.float32))
+        x = tl.load(p + n_full * BLOCK + offs, mask=m, other=0)  # masked lanes read 0: finite, square 0
+        bad += ((x & EXP) == EXP).to(tl.int32)
+        f = _as_float(x, KIND)
+        sq += f * f
+        tl.store(count_ptr + pid, tl.sum(bad, axis=0).to(tl.float32))
+        tl.store(sumsq_ptr + pid, tl.sum(sq, axis=0).to(tl.float32))
+        if WITH_VALUE:
+            if pid == 0:  # the loss: one element, in this program's tail
+                tl.store(value_ptr, tl.sum(f, axis=0).to(tl.float32))
 
 
 def usable(tensors) -> bool:
@@ -91,7 +133,10 @@ def usable(tensors) -> bool:
 
 class Layout:
     """The fixed part of the check for one list of tensors (loss first, then the gradients): their dtypes
-    and sizes, cut into items; the item tables live on the device, uploaded once without a sync."""
+    and sizes, cut into items; the item tables live on the device, uploaded once without a sync.
+
+    n_out: items; owner[j]: the tensor item j belongs to; n_values: length of the result vector (see the
+    module docstring), 2 * n_out, plus the loss's value when tensor 0 has one element (`has_value`)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.device = tensors[0].device
@@ -100,7 +145,9 @@ class Layout:
         self.numels = [t.numel() for t in tensors]
         self.nbytes = [t.numel() * t.element_size() for t in tensors]  # checked per step: no read past a tensor
         self.grad_nbytes = self.nbytes[1:]  # the gradients' part, compared as one list per step
-        self.groups = []  # (dtype, tensor indices, items table on the device, first output, items)
+        # tensor 0 (one element) is then the first item of the first group: its program writes the value too
+        self.has_value = self.numels[0] == 1
+        self.groups = []  # (dtype, tensor indices, items table on the device, first output, items, table position)
         owners: list[int] = []
         table_pos = 0
         host_tables = []
@@ -124,6 +171,7 @@ class Layout:
         self._host_tables = host_tables
         self.table_len = table_pos  # entries of the per-slot offset table
         self.n_out = len(owners)
+        self.n_values = 2 * self.n_out + (1 if self.has_value else 0)
         self.owner = np.asarray(owners, dtype=np.int64)  # output position -> tensor index (0: the loss)
 
     def matches(self, loss: torch.Tensor, n: int) -> bool:
@@ -151,13 +199,15 @@ _direct_ok = [True]
 
 
 def _interpreting() -> bool:
-    return not isinstance(_count_nonfinite_kernel, triton.runtime.jit.JITFunction)
+    return not isinstance(_check_kernel, triton.runtime.jit.JITFunction)
 
 
 def enqueue(layout: Layout, ptrs: list[int], out: torch.Tensor, slot) -> None:
-    """Count the non-finite elements of the tensors at addresses `ptrs` (the layout's tensors, in order)
-    into out[:layout.n_out], on the current stream. `slot` (a DeviceResults slot) holds this slot's
-    offset table in its `aux`."""
+    """Check the tensors at addresses `ptrs` (the layout's tensors, in order) into out[:layout.n_values]
+    (counts, sums of squares, the loss's value: see the module docstring), on the current stream. `slot`
+    (a DeviceResults slot) holds this slot's offset table in its `aux`."""
+    if out.numel() < layout.n_values or out.dtype != torch.float32:
+        raise ValueError(f"the result vector needs {layout.n_values} float32 values (Layout.n_values)")
     table = slot.aux
     if not isinstance(table, _Table) or table.host_np.size < layout.table_len or table.device.device != layout.device:
         table = slot.aux = _Table(layout.table_len, layout.device)
@@ -178,22 +228,26 @@ def enqueue(layout: Layout, ptrs: list[int], out: torch.Tensor, slot) -> None:
         table.device.copy_(table.host, non_blocking=True)
         table.ptrs, table.units = ptrs, units
     stream = None
-    for (dtype, _, items, out_first, n_items, pos), unit in zip(layout.groups, table.units):
-        int_dtype, exp = _BITS[dtype]
-        key = (layout.device.index, dtype, unit)
+    n_out, base = layout.n_out, out.data_ptr()
+    value_at = base + 4 * 2 * n_out
+    for g, ((dtype, _, items, out_first, n_items, pos), unit) in enumerate(zip(layout.groups, table.units)):
+        int_dtype, exp, kind = _BITS[dtype]
+        with_value = g == 0 and layout.has_value
+        key = (layout.device.index, dtype, unit, with_value)
         kernel = _compiled.get(key) if _direct_ok[0] else None
         if kernel is not None:
             if stream is None:  # the raw handle of torch's current stream, as Triton's own launch path reads it
                 stream = triton.runtime.driver.active.get_current_stream(layout.device.index)
             try:
-                kernel[(n_items, 1, 1)](table.ref, table.ref + 8 * pos, items.data_ptr(),
-                                        out.data_ptr() + 4 * out_first, exp, unit, BLOCK, stream=stream)
+                kernel[(n_items, 1, 1)](table.ref, table.ref + 8 * pos, items.data_ptr(), base + 4 * out_first,
+                                        base + 4 * (n_out + out_first), value_at, exp, kind, unit, BLOCK,
+                                        with_value, stream=stream)
                 continue
             except Exception:  # Triton's internals moved: the generic launch from now on
                 _direct_ok[0] = False
-        compiled = _count_nonfinite_kernel[(n_items,)](
-            table.device.view(int_dtype), table.device[pos:], items, out[out_first:],
-            EXP=exp, UNIT=unit, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        compiled = _check_kernel[(n_items,)](
+            table.device.view(int_dtype), table.device[pos:], items, out[out_first:], out[n_out + out_first:],
+            out[2 * n_out:], EXP=exp, KIND=kind, UNIT=unit, BLOCK=BLOCK, WITH_VALUE=with_value,
+            num_warps=NUM_WARPS)
         if not _interpreting():
             _compiled[key] = compiled
-
