@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR")
     parser.add_argument("--slow-ms", type=float, default=0.0, help="every rank sleeps this long each step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: each rank computes on GPU LOCAL_RANK modulo the GPUs present, still over gloo, "
+                             "so several ranks may share one GPU (NCCL refuses that): 3+ replicas on one GPU")
     parser.add_argument("--stop-file", default=None, metavar="PATH",
                         help="end training (every rank, at the same step) once this file exists; looked for "
                              "every 10 steps")
@@ -106,8 +109,12 @@ def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # identical initial weights on every rank (DDP also broadcasts them)
 
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     cfg = GPTConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
-    model = DistributedDataParallel(TinyGPT(cfg))
+    model = DistributedDataParallel(TinyGPT(cfg).to(device), device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     dataset = ArithmeticTokens(size=4096, seq=args.seq, vocab=args.vocab, seed=args.seed)
@@ -127,6 +134,7 @@ def train(args: argparse.Namespace) -> None:
         step_ends: list[float] = []  # perf_counter is CLOCK_MONOTONIC: comparable with other processes' clocks
         started = step_started = time.perf_counter()
         for step, (inputs, targets) in enumerate(batches(loader, sampler), start=1):
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             logits = model(inputs)
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
             loss.backward()
