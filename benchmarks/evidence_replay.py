@@ -26,7 +26,7 @@ from trainscout.detectors.straggler import StragglerDetector  # noqa: E402
 from trainscout.sinks.evidence_log import read  # noqa: E402
 
 
-def replay(evidence_path: str) -> tuple[list[tuple], list[tuple]]:
+def replay(evidence_path: str, shared_gpu: bool = False) -> tuple[list[tuple], list[tuple]]:
     """(straggler findings, numeric suspects) the detectors give on one recorded run, in step order."""
     ranks = read(evidence_path)
     steps: dict[int, list] = {}
@@ -39,6 +39,7 @@ def replay(evidence_path: str) -> tuple[list[tuple], list[tuple]]:
     layers = next((e["layers"] for e in ranks.values() if e["layers"]), [])
     live = set(ranks)
     strag, num = StragglerDetector(), NumericDetector()
+    strag.shared_gpu = shared_gpu  # ranks on one GPU (the coordinator learns it from the probes' device ids)
     found_s, found_n = [], []
     for step in sorted(set(steps) | set(numerics)):
         for r, rec in steps.get(step, []):
@@ -67,12 +68,13 @@ def onset(run_dir: str) -> int | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("parents", nargs="+", help="folders holding run dirs (each with evidence.jsonl)")
+    parser.add_argument("--shared-gpu", action="store_true", help="the runs' ranks shared one GPU")
     args = parser.parse_args()
     runs = with_findings = 0
     for parent in args.parents:
         for path in sorted(glob.glob(os.path.join(parent, "*", "evidence.jsonl"))):
             run_dir = os.path.dirname(path)
-            stragglers, numeric = replay(path)
+            stragglers, numeric = replay(path, args.shared_gpu)
             runs += 1
             with_findings += bool(stragglers or numeric)
             live = []

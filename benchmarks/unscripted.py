@@ -81,6 +81,7 @@ def fault_spec(case: str, step_ms: float) -> str:
 def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
     spec = fault_spec(case, args.step_ms)
     _, expected, steps, _ = CASES[case]
+    steps = int(steps * args.steps_scale)
     run_id = f"uns-{index:02d}-{list(CASES).index(case):02d}"
     fault_log = out / f"{run_id}.faults.jsonl"
     fault_log.unlink(missing_ok=True)
@@ -136,6 +137,9 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--step-ms", type=float, default=43.0,
                         help="the job's step time, which 10 %% and 2x are taken of (4 CPU ranks on 2 cores: ~43)")
+    parser.add_argument("--steps-scale", type=float, default=1.0,
+                        help="multiply each case's steps (fast GPU steps: a confirmation scheduled 2.5 s ahead is "
+                             "~200 steps away at 12 ms a step; use 3 there)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is stopped")
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default /tmp/...)")
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")

@@ -141,6 +141,7 @@ class RankView:
         self.io_sites: dict[str, str] = {}
         self.nonfinite: list[NonFiniteEvent] = []
         self.numeric_layers: list[str] = []
+        self.device = ""  # the accelerator the rank computes on, as its probe names it (a CUDA UUID)
         self._evidence_version = -1
         self._numerics_out: list[NumericRecord] = []
         self._norm_parts: dict[int, tuple[float, np.ndarray, int]] = {}  # step -> (loss, norms, filled)
@@ -176,6 +177,7 @@ class RankView:
             return
         self._pg_table_version = version
         self._index_to_name = {int(i): name for name, i in doc.get("index", {}).items()}
+        self.device = str(doc.get("device") or "")
         for name, info in doc.get("groups", {}).items():
             track = self.pgs.setdefault(name, PgTrack(name))
             track.desc = info.get("desc", "")
@@ -409,6 +411,7 @@ class RankView:
             replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period,
             state_slots=self.state_slots, replay_layers=self.replay_layers, io_sites=dict(self.io_sites),
             links=self.take_links(), numerics=self.take_numerics(), numeric_layers=self.numeric_layers,
+            device=self.device,
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

@@ -318,6 +318,8 @@ class Coordinator:
             self.endpoint.send(ident, Command(kind="trust", request_id=next(self.request_ids), payload=payload))
 
     def _stragglers(self, now: float, live: set[int]) -> list[Finding]:
+        devices = [self.ranks[r].state.device for r in live if self.ranks[r].state.device]
+        self.straggler.shared_gpu = len(devices) != len(set(devices))  # ranks competing for one GPU
         findings = []
         for f in self.straggler.update(now, live):
             # a stall names where the training code waits: the call site the probe saw (slow loads, saves)

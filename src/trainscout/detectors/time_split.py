@@ -63,6 +63,11 @@ class Part:
 BLOCKED = Part("blocked", window=5, abs_s=0.002, rel=0.04, z=6.0, k=4, m=5, spike_rel=0.5, spike_abs_s=0.02,
                intermittent_min=3, arrival=False,
                what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)")
+# Several ranks on one GPU compete for it: which of them waits on its host for the GPU (a synchronising copy,
+# an allocation) is the GPU's scheduling, not a fault, and on the one-GPU machine with 4 ranks healthy ranks took
+# turns being 2-5 ms blocked over their peers for tens of steps. Only a block of half a step is named there.
+BLOCKED_SHARED_GPU = Part("blocked", window=5, abs_s=0.002, rel=0.5, z=6.0, k=4, m=5, spike_rel=1.0,
+                          spike_abs_s=0.02, intermittent_min=3, arrival=False, what=BLOCKED.what)
 # Time inside DataLoader iteration is steady on healthy ranks too (the demo's in-process loader: ~0.5 ms a
 # batch): a blocking read of 5 ms a batch stands out like a blocked rank. Only ranks that loaded data in a step
 # are compared (a rank-0-only loader is a design choice, not a straggler).

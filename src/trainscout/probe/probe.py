@@ -55,6 +55,7 @@ class Probe:
                                           budget=_env_number("TRAINSCOUT_STATE_BUDGET", 0.005),
                                           period=_env_number("TRAINSCOUT_STATE_PERIOD", 0))
         self.timing = StepTiming(self.publisher.append_locked)
+        self.timing.on_device = self.publisher.set_device
         self.nonfinite = None
         self.evidence = None  # per-step loss and layer gradient norms, measured in the non-finite check's pass
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":

@@ -68,6 +68,7 @@ class Publisher(threading.Thread):
         self._synced: "OrderedDict[tuple[str, int], int]" = OrderedDict()  # written by the wrappers
         self._pg_table_keys: frozenset = frozenset()
         self._roles: dict[str, dict] = {}  # pg name -> {"role", "framework"} declared by an integration
+        self.device = ""  # the accelerator this rank computes on (set_device)
         self._collectives = 0
         self._mismatch = 0
         self._collectives_ok = True
@@ -195,6 +196,12 @@ class Publisher(threading.Thread):
         with self.lock:
             self.writer.append(*record)
 
+    def set_device(self, device: str) -> None:
+        """The accelerator this rank computes on (a CUDA device's UUID), published with the group table."""
+        with self.lock:
+            self.device = device
+            self._write_pg_table()
+
     def set_role(self, group, role: str, framework: str) -> None:
         """An integration says what a group is for (see trainscout.integrations); the first word stays."""
         name = str(group.group_name)
@@ -283,7 +290,7 @@ class Publisher(threading.Thread):
         # the ring stores a pg index; the agent maps it back through this order
         for name in table:
             self._pg_index.setdefault(name, len(self._pg_index))
-        doc = {"index": dict(self._pg_index), "groups": table, "roles": dict(self._roles)}
+        doc = {"index": dict(self._pg_index), "groups": table, "roles": dict(self._roles), "device": self.device}
         path = pg_table_path(self.run_id, self.rank)
         tmp = f"{path}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as fh:

@@ -79,6 +79,7 @@ class StepTiming:
         self.append = append
         self._wall = time.perf_counter()
         self._cpu = time.thread_time()
+        self.on_device = None  # told the CUDA device's UUID once the loss is seen on one
         self._runq: RunQueueClock | None = None  # opened on the training thread, at its first step
         self._runq_last: float | None = None
         self._runq_waiting = 0.0  # run-queue delay inside this step's collective waits (part of the wait)
@@ -226,6 +227,11 @@ class StepTiming:
             self._cuda = torch_cuda
             self._stream = torch_cuda.current_stream(device)
             self._ev_start = self._event()
+            if self.on_device is not None:  # which GPU: ranks sharing one compete for it (coordinator)
+                try:
+                    self.on_device(f"GPU-{torch_cuda.get_device_properties(device).uuid}")
+                except Exception:
+                    pass
 
     def _event(self):
         ev = self._free_events.pop() if self._free_events else self._cuda.Event(enable_timing=True)

@@ -139,6 +139,7 @@ class RankState(msgspec.Struct, array_like=True):
     links: list[LinkRecord] = []  # link-probe results since the previous digest
     numerics: list[NumericRecord] = []  # per-step loss and layer gradient norms since the previous digest
     numeric_layers: list[str] = []  # the layers NumericRecord.norms follow
+    device: str = ""  # the accelerator the rank computes on (a CUDA device's UUID); "" on CPU
 
 
 class Hello(msgspec.Struct, tag=True):
