@@ -1,7 +1,9 @@
 """False positives: healthy demo jobs that trainscout must leave alone (zero findings, the job's own exit code).
 
-Three kinds of healthy run, all 4 CPU ranks (gloo DDP, tiny GPT), >= 100 steps:
-  plain  `trainscout demo --fault none`: nothing wrong at all;
+Kinds of healthy run, 4 CPU ranks (gloo DDP, tiny GPT) unless said otherwise, 300 steps by default, each run
+with its own data seed:
+  plain  the demo job under `trainscout run`: nothing wrong at all;
+  six    the same with 6 ranks on the machine's cores (2 here: heavily oversubscribed);
   slow   `trainscout demo --fault slow --rank all --step 0 --param ms=30`: every rank uniformly slow, so no
          rank is a straggler and nobody is to blame;
   pause  `trainscout run -- torchrun ... trainscout.demo.train --pause-at 50 --pause-seconds 12`: every rank
@@ -30,12 +32,13 @@ from _common import (PYTHON, begin, append_results, command_line, fmt, free_port
                      median, read_jsonl, text_table, uptime)
 
 
-def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str) -> list[str]:
+def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str, seed: int = 0) -> list[str]:
     common = ["--console", "plain", "--run-dir", str(out), "--run-id", run_id]
     port = str(free_port())
-    if kind in ("plain", "hog"):
-        return [PYTHON, "-m", "trainscout", "demo", "--fault", "none", "--steps", str(args.steps),
-                "--master-port", port, *common]
+    if kind in ("plain", "hog", "six"):
+        return [PYTHON, "-m", "trainscout", "run", *common, "--", PYTHON, "-m", "torch.distributed.run",
+                "--nproc-per-node", "6" if kind == "six" else "4", "--master-port", port, "-m",
+                "trainscout.demo.train", "--steps", str(args.steps), "--seed", str(seed)]
     if kind == "slow":
         return [PYTHON, "-m", "trainscout", "demo", "--fault", "slow", "--rank", "all", "--step", "0",
                 "--param", f"ms={args.slow_ms:g}", "--steps", str(args.steps), "--master-port", port, *common]
@@ -47,9 +50,10 @@ def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str) -> lis
     raise ValueError(kind)
 
 
-def schedule(plain: int, slow: int, pause: int, hog: int = 0) -> list[str]:
-    """Spread the slow, pause and hog runs evenly among the plain ones."""
+def schedule(plain: int, slow: int, pause: int, hog: int = 0, six: int = 0) -> list[str]:
+    """Spread the slow, pause, hog and six-rank runs evenly among the plain ones."""
     order: list[tuple[float, str]] = [((i + 0.5) / plain, "plain") for i in range(plain)]
+    order += [((i + 0.9) / max(six, 1), "six") for i in range(six)]
     order += [((i + 0.33) / max(slow, 1), "slow") for i in range(slow)]
     order += [((i + 0.66) / max(pause, 1), "pause") for i in range(pause)]
     order += [((i + 0.8) / max(hog, 1), "hog") for i in range(hog)]
@@ -68,7 +72,8 @@ def main() -> int:
     parser.add_argument("--pause", type=int, default=2)
     parser.add_argument("--hog", type=int, default=4, help="runs beside a background CPU hog")
     parser.add_argument("--hog-procs", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--six", type=int, default=0, help="runs with 6 ranks on the machine's cores")
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--slow-ms", type=float, default=30.0)
     parser.add_argument("--pause-at", type=int, default=50)
     parser.add_argument("--pause-seconds", type=float, default=12.0)
@@ -83,10 +88,10 @@ def main() -> int:
 
     rows: list[dict] = []
     counts: dict[str, int] = {}
-    for kind in schedule(args.plain, args.slow, args.pause, args.hog):
+    for kind in schedule(args.plain, args.slow, args.pause, args.hog, args.six):
         counts[kind] = counts.get(kind, 0) + 1
         run_id = f"clean-{kind}-{counts[kind]:02d}"
-        cmd = demo_cmd(kind, args, out, run_id)
+        cmd = demo_cmd(kind, args, out, run_id, seed=counts[kind])
         hog = start_hog(args.hog_procs) if kind == "hog" else []
         try:
             res = launch(cmd, out / f"{run_id}.out", timeout_s=args.timeout)
@@ -118,7 +123,7 @@ def main() -> int:
               fmt(r["wall_s"], 1), fmt(r["load"])] for r in rows]
     totals_header = ["kind", "runs", "runs with findings", "findings", "exit != 0"]
     totals = []
-    for kind in ("plain", "slow", "pause", "hog"):
+    for kind in ("plain", "six", "slow", "pause", "hog"):
         mine = [r for r in rows if r["kind"] == kind]
         if mine:
             totals.append([kind, str(len(mine)), str(sum(1 for r in mine if r["findings"])),
@@ -137,7 +142,8 @@ def main() -> int:
             f"{fmt(median(loads))}, max {fmt(max(loads))}",
             f"- {args.steps} steps per run; slow = {args.slow_ms:g} ms on every rank from step 0; pause = every rank "
             f"checkpoints and sleeps {args.pause_seconds:g} s after step {args.pause_at} (hang timeout 5 s); "
-            f"hog = {args.hog_procs} busy-looping processes beside the job; run dirs under `<out-dir>`",
+            f"hog = {args.hog_procs} busy-looping processes beside the job; six = 6 ranks; plain, hog and six runs "
+            "each use their own data seed; run dirs under `<out-dir>`",
             "- pass = zero findings and exit code 0",
             "", markdown_table(totals_header, totals), "", markdown_table(header, table), ""]
     body.append(f"Passed {len(rows) - len(failed)}/{len(rows)}." if not failed else

@@ -120,12 +120,12 @@ class PartWatch:
         if len(values) < 3:
             return []
         walls = sorted(rec.wall_s for rec in recs.values())
-        wall = walls[len(walls) // 2]
-        self._walls.append(wall)
+        self._walls.append(walls[len(walls) // 2])
         for r, v in values.items():
             self._windows.setdefault(r, deque(maxlen=p.window)).append(v)
             self._waits.setdefault(r, deque(maxlen=p.window)).append(recs[r].wait_s)
-        out = self._spike(step, values, wall)
+        # a usual step's wall time: the spike's own step is as long for every rank (they waited for it)
+        out = self._spike(step, values, _median(self._walls))
         windowed = {r: _median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
         if len(windowed) < 3:
             return out

@@ -9,6 +9,7 @@ up to `max_ranks` ranks: beyond that it would grow with the job, and the detecto
 
 from __future__ import annotations
 
+import math
 import os
 
 import msgspec
@@ -53,11 +54,14 @@ class EvidenceLog:
             self._file = None
 
 
+def _num(x) -> float:
+    return math.nan if x is None else float(x)
+
+
 def read(path: str | os.PathLike) -> dict:
     """{rank: {"steps": [StepRecord], "numerics": [NumericRecord], "layers": [...]}} from an evidence log."""
     out: dict[int, dict] = {}
     steps_type = msgspec.json.Decoder(list[StepRecord])
-    numerics_type = msgspec.json.Decoder(list[NumericRecord])
     with open(path, "rb") as fh:
         for raw in fh:
             if not raw.strip():
@@ -67,8 +71,10 @@ def read(path: str | os.PathLike) -> dict:
             entry = out.setdefault(rank, {"steps": [], "numerics": [], "layers": []})
             if "steps" in doc:
                 entry["steps"].extend(steps_type.decode(msgspec.json.encode(doc["steps"])))
-            if "numerics" in doc:
-                entry["numerics"].extend(numerics_type.decode(msgspec.json.encode(doc["numerics"])))
+            if "numerics" in doc:  # JSON has no NaN: msgspec wrote a non-finite loss or norm as null
+                entry["numerics"].extend(NumericRecord(step=int(row[0]), loss=_num(row[1]),
+                                                       norms=[_num(x) for x in row[2]] if len(row) > 2 else [])
+                                         for row in doc["numerics"])
             if "layers" in doc:
                 entry["layers"] = list(doc["layers"])
     return out
