@@ -243,7 +243,7 @@ class RankView:
             self._links_out.append(LinkRecord(request_id=rec.seq, step=rec.step, seconds=seconds))
             return
         times, _, groups = desc.partition("|")
-        us = [int(x) for x in times.split(":")] + [0, 0, 0, -1, -1, -1]  # older probes send fewer fields
+        us = [int(x) for x in times.split(":")] + [0, 0, 0, -1, -1, -1, 0]  # older probes send fewer fields
         pg_wait = {}
         for part in filter(None, groups.split(",")):
             name, _, t = part.rpartition("=")
@@ -253,7 +253,7 @@ class RankView:
             data_s=us[0] / 1e6, ckpt_s=us[1] / 1e6, wait_s=us[2] / 1e6,
             gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], GPU_UNMEASURED)),
             gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], GPU_UNMEASURED)),
-            pg_wait=pg_wait, runq_s=us[5] / 1e6 if us[5] >= 0 else -1.0))
+            pg_wait=pg_wait, runq_s=us[5] / 1e6 if us[5] >= 0 else -1.0, probe_thread_s=us[6] / 1e6))
 
     def _ingest_evidence(self, rec) -> None:
         """A step's loss and layer norms; a large model's norms come in several records (parts)."""

@@ -58,10 +58,13 @@ class Part:
     intermittent_min: int
     what: str  # how a person reads it
     arrival: bool  # also require that its peers wait for it (its collective wait is no longer than theirs)
+    # smaller spikes (abs_s and rel, clear of the rest) at a regular interval, this many times (0: not judged):
+    # a block of 10 % of a step every N steps stands out from healthy ranks' own spikes only by its regularity
+    small_intermittent_min: int = 0
 
 
 BLOCKED = Part("blocked", window=5, abs_s=0.002, rel=0.04, z=6.0, k=4, m=5, spike_rel=0.5, spike_abs_s=0.02,
-               intermittent_min=3, arrival=False,
+               intermittent_min=3, arrival=False, small_intermittent_min=6,
                what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)")
 # Several ranks on one GPU compete for it: which of them waits on its host for the GPU (a synchronising copy,
 # an allocation) is the GPU's scheduling, not a fault, and on the one-GPU machine with 4 ranks healthy ranks took
@@ -83,7 +86,9 @@ def blocked_s(rec) -> float | None:
     """Time off the CPU outside collectives, data loading and checkpoint writes (None: not measurable)."""
     if rec.runq_s < 0 or rec.wall_s <= 0:
         return None
-    return rec.wall_s - rec.wait_s - rec.cpu_s - rec.runq_s - rec.data_s - rec.ckpt_s
+    off = rec.wall_s - rec.wait_s - rec.cpu_s - rec.runq_s - rec.data_s - rec.ckpt_s
+    # the probe's own thread held the GIL this long: the training thread's wait for it is trainscout's doing
+    return off - min(max(off, 0.0), rec.probe_thread_s)
 
 
 def data_s(rec) -> float | None:
@@ -106,6 +111,7 @@ class PartWatch:
         self._spread: deque = deque(maxlen=SPREAD_STEPS)
         self._flags: dict[int, deque] = {}
         self._spikes: dict[int, deque] = {}
+        self._small_spikes: dict[int, deque] = {}
         self._reported: set[tuple[int, str]] = set()
         self.trace: deque = deque(maxlen=64)  # recent evaluations that flagged someone
         self.flagged: set[int] = set()  # ranks flagged at the last step (a slow transport is then not suspected)
@@ -186,17 +192,24 @@ class PartWatch:
         for r, v in values.items():
             peers = sorted(x for q, x in values.items() if q != r)
             excess = v - _median(peers)
-            if excess < max(p.spike_abs_s, p.spike_rel * wall) or v - peers[-1] < excess / 2:
+            if v - peers[-1] < excess / 2 or excess < max(p.abs_s, p.rel * wall):
                 continue
-            spikes = self._spikes.setdefault(r, deque(maxlen=LOOKBACK))
-            spikes.append(step)
+            big = excess >= max(p.spike_abs_s, p.spike_rel * wall)
+            small = self._small_spikes.setdefault(r, deque(maxlen=LOOKBACK))
+            small.append(step)
+            if big:
+                self._spikes.setdefault(r, deque(maxlen=LOOKBACK)).append(step)
             if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
                 continue
-            found = regular_period(spikes, p.intermittent_min)
+            found, need = None, p.intermittent_min
+            if big:
+                found = regular_period(self._spikes[r], need)
+            if found is None and p.small_intermittent_min:
+                found, need = regular_period(small, p.small_intermittent_min), p.small_intermittent_min
             if found is None:
                 continue
             self._reported.add((r, "intermittent"))
-            recent = found.hits[-p.intermittent_min:]
+            recent = found.hits[-need:]
             out.append(Finding(
                 kind=STRAGGLER, culprit_ranks=[r], step=recent[-1], confidence=0.8,
                 summary=(f"rank {r} is an intermittent straggler: every {found.period} steps it spends "

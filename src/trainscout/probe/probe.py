@@ -56,6 +56,7 @@ class Probe:
                                           period=_env_number("TRAINSCOUT_STATE_PERIOD", 0))
         self.timing = StepTiming(self.publisher.append_locked)
         self.timing.on_device = self.publisher.set_device
+        self.timing.other_thread_s = lambda: self.publisher.busy_s if self.publisher is not None else 0.0
         self.nonfinite = None
         self.evidence = None  # per-step loss and layer gradient norms, measured in the non-finite check's pass
         if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":

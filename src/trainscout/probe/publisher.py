@@ -59,6 +59,9 @@ class Publisher(threading.Thread):
         self._records_per_collective = 1.0  # p2p entries fill the buffer too; status counts collectives only
         self._last_dump_ns = 0
         self.dumps, self.dump_s = 0, 0.0  # Flight Recorder dumps and their cost (this thread, GIL held)
+        # all of this thread's work, cumulative: the training thread may wait for the GIL meanwhile, which is
+        # not the rank's own blocking (a dump every 10 s, 5-8 ms, would read as a periodic block of the rank)
+        self.busy_s = 0.0
         self._pg_index: dict[str, int] = {}
         self._last_record_id, self._fresh = -1, 0
         self._pg_names: dict[str, str] = {}  # the recorder's group id (per process) -> group name
@@ -77,19 +80,24 @@ class Publisher(threading.Thread):
     def run(self) -> None:
         w = self.writer
         while not self.stop_event.wait(self.tick_s):
-            w.set("heartbeat_ns", time.monotonic_ns())
-            if self.on_tick is not None:
-                try:
-                    self.on_tick()
-                except Exception:
-                    pass
-            if self._collectives_ok:
-                try:
-                    self.poll_collectives()
-                except Exception as exc:
-                    self._collectives_ok = False
-                    w.set("disabled_checks", int(w.header["disabled_checks"]) | CHECK_COLLECTIVES)
-                    w.set("error_text", f"collective tracking disabled: {exc!r}".encode()[:480])
+            t0 = time.perf_counter()
+            self._tick(w)
+            self.busy_s += time.perf_counter() - t0
+
+    def _tick(self, w) -> None:
+        w.set("heartbeat_ns", time.monotonic_ns())
+        if self.on_tick is not None:
+            try:
+                self.on_tick()
+            except Exception:
+                pass
+        if self._collectives_ok:
+            try:
+                self.poll_collectives()
+            except Exception as exc:
+                self._collectives_ok = False
+                w.set("disabled_checks", int(w.header["disabled_checks"]) | CHECK_COLLECTIVES)
+                w.set("error_text", f"collective tracking disabled: {exc!r}".encode()[:480])
 
     def poll_collectives(self, force: bool = False) -> None:
         with self._poll_lock:  # the training thread flushes too, at destroy_process_group and exit

@@ -80,6 +80,8 @@ class StepTiming:
         self._wall = time.perf_counter()
         self._cpu = time.thread_time()
         self.on_device = None  # told the CUDA device's UUID once the loss is seen on one
+        self.other_thread_s = None  # () -> cumulative seconds the probe's own thread worked (GIL held)
+        self._other_last = 0.0
         self._runq: RunQueueClock | None = None  # opened on the training thread, at its first step
         self._runq_last: float | None = None
         self._runq_waiting = 0.0  # run-queue delay inside this step's collective waits (part of the wait)
@@ -171,7 +173,7 @@ class StepTiming:
         runq_us = self._runq_us()
         fields = (step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9), int(self.data_s * 1e6),
                   int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait),
-                  int(self._host_to_backward_s * 1e6), runq_us)
+                  int(self._host_to_backward_s * 1e6), runq_us, self._other_us())
         pairs, self._coll_events = self._coll_events, []
         if self._cuda is not None and self._ev_start is not None and self._ev_backward is not None \
                 and self._ev_pre is not None:
@@ -208,14 +210,26 @@ class StepTiming:
             return -1
         return max(0, int((now - last - waiting) * 1e6))
 
+    def _other_us(self) -> int:
+        """The probe thread's work since the last step, in us: the training thread may have waited for the GIL
+        meanwhile, which is not the rank's own blocking."""
+        if self.other_thread_s is None:
+            return 0
+        try:
+            now = self.other_thread_s()
+        except Exception:
+            return 0
+        last, self._other_last = self._other_last, now
+        return max(0, int((now - last) * 1e6))
+
     def _emit(self, fields: tuple, gpu_us: int, gpu_wait_us: int) -> None:
-        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us, runq_us = fields
+        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us, runq_us, other_us = fields
         if gpu_us >= 0:
             # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
             # waiting for its own host, and a host a few % slower reads as a GPU 10x slower. The longer
             # of the two spans is the rank's own time to the end of backward.
             gpu_us = max(gpu_us, host_us)
-        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}"
+        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}"
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
         self.append(STEP_PG_INDEX, step, cpu_ns, wall_ns, time.time_ns(), step, "step", desc)
@@ -292,11 +306,16 @@ class StepTiming:
 
         def __next__(it):
             t0, c0 = time.perf_counter(), time.thread_time()
+            q0 = timing._runq.read() if timing._runq is not None else None
             try:
                 return real(it)
             finally:
                 spent = time.perf_counter() - t0
-                timing.data_s += spent
+                q1 = timing._runq.read() if q0 is not None else None
+                # time queued for a core while loading is the machine's, not the loader's (starved): on 4 ranks
+                # sharing 2 busy cores a 0.6 ms fetch read 4-11 ms for ~10 steps on one healthy rank
+                queued = min(spent, q1 - q0) if q1 is not None else 0.0
+                timing.data_s += spent - queued
                 timing.io_cpu_s += time.thread_time() - c0
                 if spent > SLOW_FETCH_S:
                     timing._note_site("data")

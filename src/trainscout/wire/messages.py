@@ -93,6 +93,7 @@ class StepRecord(msgspec.Struct, array_like=True):
     gpu_wait_s: float = -1.0  # CUDA: GPU time from the end of backward to the optimizer step (gradient sync)
     pg_wait: dict[str, float] = {}  # Python-level collective time per process group name
     runq_s: float = -1.0  # the training thread was runnable but had no CPU (run-queue delay; -1: unknown)
+    probe_thread_s: float = 0.0  # the probe's own thread worked this long meanwhile (the GIL may have been its)
 
 
 class NumericRecord(msgspec.Struct, array_like=True):
