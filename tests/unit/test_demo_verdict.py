@@ -66,9 +66,11 @@ def test_every_fault_kind_has_an_expected_finding_kind_or_a_reason_it_is_not_jud
             assert v.ok is False, kind  # nothing found: the injected fault was missed
 
 
-def test_a_sleeping_rank_is_not_judged_and_the_job_status_stands():
-    v = judge(parse_faults("slow:rank=1:step=0:ms=300"), [], 0)
-    assert v.ok is None and "slow ms=300" in v.lines[0] and "exit status: 0" in v.lines[0]
+def test_a_sleeping_rank_must_be_named_as_a_straggler():
+    specs = parse_faults("slow:rank=1:step=0:ms=300")
+    assert judge(specs, [_finding("straggler", [1])], 0).ok is True
+    v = judge(specs, [], 0)
+    assert v.ok is False and "slow ms=300" in v.lines[0]
 
 
 def test_no_fault_passes_only_a_clean_job_with_no_finding():

@@ -27,3 +27,9 @@ def test_only_the_main_thread_is_read_and_no_samples_name_nothing():
     stacks, total = parse_collapsed(PEER)
     assert total == 200 and all("run (probe.py:1)" not in s for s in stacks)
     assert where_time_goes("", [PEER]) is None and where_time_goes(PEER, []) is None
+
+
+def test_time_in_collectives_is_never_the_excess():
+    slow = PEER + "\nthread (3): MainThread;<module> (train.py:10);train (train.py:50);all_reduce (torch/distributed/" \
+        "distributed_c10d.py:3252) 80"
+    assert where_time_goes(slow, [PEER]) is None

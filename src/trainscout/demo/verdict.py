@@ -25,6 +25,7 @@ _EXPECTED_KIND = {
     "straggle": "straggler",
     "dataslow": "straggler",
     "commslow": "straggler",
+    "slow": "straggler",  # it sleeps after its steps: time blocked off the CPU, which its peers wait for
     "corrupt": "sdc",
     "nan": "nonfinite",
     "delay": "straggler",  # held up inside its forward or its batch fetch, whatever the mechanism
@@ -34,8 +35,6 @@ _EXPECTED_KIND = {
 }
 # Faults on one rank that the demo, as launched, has no finding to expect for.
 _NOT_JUDGED = {
-    "slow": "a rank that sleeps after its steps is neither computing more, loading data, writing checkpoints "
-            "nor slowed on its link, the causes trainscout names stragglers by (the straggle fault adds compute)",
     "ckptslow": "the demo writes no checkpoint unless its script is given --checkpoint-every",
     "perturb": "replay recomputes a layer every 200 steps or more, one layer at a time: longer than a demo",
     "gpuslow": "the demo runs on CPU ranks",

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 MIN_EXCESS = 0.05  # a frame must hold at least 5 % more of the slow rank's samples than of any peer's
 _NOISE = ("threading.py", "<frozen ", "runpy.py")
+# A straggler waits less than its peers in collectives (they wait for it): time there is never its excess, and
+# a busy machine moves a few percent of samples in or out of them at random.
+_COLLECTIVE = ("distributed_c10d.py", "c10d_logger.py", "probe/collectives.py")
 
 
 @dataclass
@@ -90,7 +93,8 @@ def where_time_goes(slow: str, peers: list[str]) -> Where | None:
     if not peer_frames:
         return None
     shares = _shares(stacks, total)
-    excess = {prefix: share - max(f.get(prefix[-1], 0.0) for f in peer_frames) for prefix, share in shares.items()}
+    excess = {prefix: share - max(f.get(prefix[-1], 0.0) for f in peer_frames) for prefix, share in shares.items()
+              if not any(c in frame for frame in prefix for c in _COLLECTIVE)}
     best = max(excess, key=lambda k: (excess[k], -len(k)), default=None)
     if best is None or excess[best] < MIN_EXCESS:
         return None
