@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from trainscout import __version__
+from trainscout import __version__, config
 from trainscout.faults.spec import KINDS as FAULT_KINDS
 
 FINDING_HELP = """\
@@ -43,23 +43,33 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-id", help="name of this run (default: date-time + random)")
     p.add_argument("--inject", default="", metavar="SPEC",
                    help="inject a fault, e.g. hang:rank=2:step=20 (see `trainscout demo --help`)")
-    p.add_argument("--hang-timeout", type=float, default=5.0, metavar="S",
-                   help="seconds without progress on any rank before a hang is judged (default 5)")
-    p.add_argument("--stall-timeout", type=float, default=300.0, metavar="S",
-                   help="seconds a job-wide pause may last before a stall is reported (default 300)")
-    p.add_argument("--abort-on", default="", metavar="KINDS",
+    p.add_argument("--config", metavar="FILE", help=f"settings file (default: ./{config.TOML_FILE} if present; see "
+                                                      "`trainscout config`)")
+    p.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                   help=f"seconds without progress on any rank before a hang is judged (default {config.RUN.hang_timeout:g})")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                   help=f"seconds a job-wide pause may last before a stall is reported (default "
+                        f"{config.RUN.stall_timeout:g})")
+    p.add_argument("--abort-on", default=None, metavar="KINDS",
                    help="comma-separated finding kinds that stop the training job (e.g. hang,desync)")
     p.add_argument("--coordinator-addr", metavar="HOST:PORT",
                    help="multi-node: address of the coordinator; node 0 serves it, other nodes connect")
     p.add_argument("--node-rank", type=int, default=None,
                    help="multi-node: this node's rank (default: read from the launcher's --node-rank, else 0)")
-    p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default="py-spy",
+    p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default=None,
                    help="how stacks are taken from outside a stuck rank (falls back to faulthandler)")
-    p.add_argument("--console", choices=["auto", "rich", "plain"], default="auto",
+    p.add_argument("--console", choices=["auto", "rich", "plain"], default=None,
                    help="finding output style (auto: rich on a terminal, plain lines otherwise)")
-    p.add_argument("--monitor-nice", type=int, default=0, metavar="N",
+    p.add_argument("--monitor-nice", type=int, default=None, metavar="N",
                    help="CPU niceness added to the agent and coordinator, 0-19 (default 0): they then use a busy "
                         "machine's idle moments, but react later under load")
+
+
+def _flag_settings(args) -> dict:
+    """The settings given as flags of `trainscout run` (None: not given)."""
+    return {"run.hang_timeout": args.hang_timeout, "run.stall_timeout": args.stall_timeout,
+            "run.abort_on": args.abort_on, "run.monitor_nice": args.monitor_nice,
+            "run.stack_method": args.stack_method, "run.console": args.console}
 
 
 def _launcher_node_rank(command: list[str]) -> int | None:
@@ -87,15 +97,15 @@ def _run(args, command: list[str], on_done=None) -> int:
         except ValueError as exc:
             print(f"trainscout: bad --inject: {exc}", file=sys.stderr)
             return 2
-    if args.hang_timeout <= 0 or args.stall_timeout <= 0:
-        print("trainscout: --hang-timeout and --stall-timeout must be positive", file=sys.stderr)
+    try:
+        cfg, _ = config.load(_flag_settings(args), toml_path=args.config)
+    except config.ConfigError as exc:
+        print(f"trainscout: bad setting: {exc}", file=sys.stderr)
         return 2
-    if not 0 <= args.monitor_nice <= 19:
-        print(f"trainscout: --monitor-nice must be 0-19, not {args.monitor_nice}", file=sys.stderr)
-        return 2
+    args.effective = cfg
     from trainscout.findings import KINDS
 
-    abort_on = [k for k in args.abort_on.split(",") if k]
+    abort_on = [k for k in cfg.run.abort_on.split(",") if k]
     bad = [k for k in abort_on if k not in KINDS]
     if bad:
         print(f"trainscout: unknown kind(s) in --abort-on: {','.join(bad)} (kinds: {', '.join(KINDS)})",
@@ -110,10 +120,10 @@ def _run(args, command: list[str], on_done=None) -> int:
         return 2
     opts = RunOptions(
         command=command, run_root=args.run_dir, run_id=args.run_id, inject=args.inject,
-        hang_timeout_s=args.hang_timeout, stall_timeout_s=args.stall_timeout, abort_on=abort_on,
+        hang_timeout_s=cfg.run.hang_timeout, stall_timeout_s=cfg.run.stall_timeout, abort_on=abort_on,
         coordinator_addr=args.coordinator_addr, serve_coordinator=node_rank == 0,
-        node_id=f"node{node_rank}", stack_method=args.stack_method, console=args.console,
-        monitor_nice=args.monitor_nice,
+        node_id=f"node{node_rank}", stack_method=cfg.run.stack_method, console=cfg.run.console,
+        monitor_nice=cfg.run.monitor_nice, settings=config.to_environ(cfg),
     )
     if args.run_id:
         # a run's files are appended to: a second run in the same folder would report the first one's findings
@@ -191,6 +201,23 @@ def _request_replay(run_dir: str, layer: str) -> int:
     return 0
 
 
+def _print_config(args) -> int:
+    if args.markdown:
+        sys.stdout.write(config.markdown())
+        return 0
+    try:
+        cfg, sources = config.load(toml_path=args.config)
+    except config.ConfigError as exc:
+        print(f"trainscout: bad setting: {exc}", file=sys.stderr)
+        return 2
+    rows = config.describe(cfg, sources)
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    for path, value, source, env, doc in rows:
+        print(f"{path:<{width}}  {value:<{vwidth}}  {source:<7}  {env}  {doc}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
@@ -250,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                                         "(TRAINSCOUT_REPLAY_EVERY > 0, DDP over 3 or more replicas to attribute).")
     replay.add_argument("run_dir", help="runs/<run-id> of the running job")
     replay.add_argument("--layer", default="", help="layer to replay (e.g. blocks.1); default: the next one of the rotation")
+    cfg_cmd = sub.add_parser("config", help="print every setting's effective value and where it came from",
+                             description="Every setting of trainscout with its effective value here (flags aside: "
+                                         "environment, then ./trainscout.toml or --config FILE, then the default), "
+                                         "the environment variable that sets it, and what it does.")
+    cfg_cmd.add_argument("--config", metavar="FILE", help=f"settings file (default: ./{config.TOML_FILE} if present)")
+    cfg_cmd.add_argument("--markdown", action="store_true", help="print the settings reference (docs/configuration.md)")
     report = sub.add_parser("report", help="print the summary of a finished run")
     report.add_argument("run_dir", help="runs/<run-id>")
     args = parser.parse_args(argv)
@@ -271,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
         def judged(status: int, findings: list) -> int:
-            return _demo_verdict(specs, status, findings, args.hang_timeout)
+            return _demo_verdict(specs, status, findings, args.effective.run.hang_timeout)
 
         return _run(args, _demo_command(args), on_done=judged)
+    if args.cmd == "config":
+        return _print_config(args)
     if args.cmd == "checkpoints":
         from trainscout.checkpoint_list import main as list_main
 

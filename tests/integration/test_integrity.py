@@ -42,7 +42,7 @@ REPLAY_LAYERS = ("tokens", "blocks.0", "blocks.1", "norm", "head")  # the demo m
 def _knobs(*, state_period: int = 16, replay_every: int = 0) -> dict[str, str]:
     """The integrity checks' environment, every knob set so an outer environment cannot leak in."""
     return {"TRAINSCOUT_STATE_CHECK": "1", "TRAINSCOUT_STATE_PERIOD": str(state_period),
-            "TRAINSCOUT_REPLAY_EVERY": str(replay_every), "TRAINSCOUT_NONFINITE_BUDGET": "1"}
+            "TRAINSCOUT_REPLAY_EVERY": str(replay_every), "TRAINSCOUT_REPLAY_BUDGET": "0", "TRAINSCOUT_NONFINITE_BUDGET": "1"}
 
 
 def _run_demo_script(tmp_path: Path, name: str, *, env: dict[str, str], inject: str = "", nproc: int = 4,

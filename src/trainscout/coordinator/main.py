@@ -24,6 +24,7 @@ from trainscout.detectors.desync import DesyncDetector, FetchRequest
 from trainscout.detectors.device_health import DeviceHealthDetector, GpuSample
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
+from trainscout import config
 from trainscout.coordinator import confirmation
 from trainscout.detectors.nonfinite import NonFiniteDetector
 from trainscout.detectors.numerics import NumericDetector
@@ -94,8 +95,9 @@ REPLAY_LEAD_STEPS = 10
 
 class Coordinator:
     def __init__(self, endpoint: CoordinatorEndpoint, run_dir: str, console: ConsoleSink, *,
-                 hang_timeout_s: float = 5.0, stall_timeout_s: float = 300.0, abort_on: set[str] | None = None,
-                 stack_timeout_s: float = 4.0, agent_silence_s: float = 3.0) -> None:
+                 hang_timeout_s: float = config.RUN.hang_timeout, stall_timeout_s: float = config.RUN.stall_timeout,
+                 abort_on: set[str] | None = None, stack_timeout_s: float = 4.0, agent_silence_s: float = 3.0,
+                 gpu_stragglers: bool = True) -> None:
         self.endpoint = endpoint
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
@@ -111,7 +113,7 @@ class Coordinator:
         self.numerics = NumericDetector()  # loss and layer gradient norms against peers (statistical suspects)
         self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
         # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
-        self.straggler = StragglerDetector(gpu_compute=os.environ.get("TRAINSCOUT_GPU_STRAGGLERS", "1") != "0")
+        self.straggler = StragglerDetector(gpu_compute=gpu_stragglers)
         self.devices = DeviceHealthDetector()
         self.rank_gpu: dict[int, str] = {}  # rank -> "host:gpu index" of the GPU its process runs on (NVML)
         self._devices_new = False
@@ -649,8 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainscout.coordinator", description=__doc__)
     p.add_argument("--bind", default="tcp://127.0.0.1:0")
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--hang-timeout", type=float, default=5.0)
-    p.add_argument("--stall-timeout", type=float, default=300.0)
+    p.add_argument("--hang-timeout", type=float, default=config.RUN.hang_timeout)
+    p.add_argument("--stall-timeout", type=float, default=config.RUN.stall_timeout)
     p.add_argument("--abort-on", default="")
     p.add_argument("--console", choices=["auto", "rich", "plain"], default="auto")
     p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
@@ -662,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     console = ConsoleSink(sys.stdout, rich=rich)
     coord = Coordinator(endpoint, args.run_dir, console, hang_timeout_s=args.hang_timeout,
                         stall_timeout_s=args.stall_timeout,
-                        abort_on={k for k in args.abort_on.split(",") if k})
+                        abort_on={k for k in args.abort_on.split(",") if k},
+                        gpu_stragglers=config.from_environ()[0].stragglers.gpu)
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:
         fh.write(endpoint.address)

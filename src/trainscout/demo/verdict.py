@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainscout import config
 from trainscout.faults.spec import FaultSpec, format_value
 from trainscout.findings import Finding
 
@@ -76,7 +77,8 @@ def _not_judged(spec: FaultSpec, hang_timeout_s: float) -> str | None:
     return _NOT_JUDGED.get(spec.kind)
 
 
-def judge(specs: list[FaultSpec], findings: list[Finding], job_exit: int, hang_timeout_s: float = 5.0) -> Verdict:
+def judge(specs: list[FaultSpec], findings: list[Finding], job_exit: int,
+          hang_timeout_s: float = config.RUN.hang_timeout) -> Verdict:
     """The demo's verdict on one finished run."""
     found = "; ".join(_finding_text(f) for f in findings) or "no finding"
     exit_line = f"the training job's exit status: {job_exit}"

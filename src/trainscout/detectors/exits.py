@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import signal as _signal
 
+from trainscout.config import RUN
 from trainscout.detectors.observations import RankObs, rank_list, who
 from trainscout.findings import CRASH, EARLY_EXIT, Finding
 
+HANG_TIMEOUT_S = RUN.hang_timeout
 _COLLATERAL_TEXT = (
     "connection closed by peer",
     "connection reset",
@@ -54,7 +56,7 @@ def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
 
 
 class ExitDetector:
-    def __init__(self, settle_s: float = 1.0, max_wait_s: float = 4.0, blocked_s: float = 5.0) -> None:
+    def __init__(self, settle_s: float = 1.0, max_wait_s: float = 4.0, blocked_s: float = HANG_TIMEOUT_S) -> None:
         self.settle_s = settle_s
         self.blocked_s = blocked_s
         self.max_wait_s = max_wait_s

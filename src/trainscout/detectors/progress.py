@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainscout.config import RUN
 from trainscout.consensus import vote_exact
 from trainscout.detectors.observations import RankObs, group_label, rank_list, who
 from trainscout.findings import DESYNC, HANG, STALL, Finding
+
+HANG_TIMEOUT_S, STALL_TIMEOUT_S = RUN.hang_timeout, RUN.stall_timeout
 
 
 @dataclass
@@ -26,7 +29,7 @@ class Suspect:
 
 
 class HangDetector:
-    def __init__(self, hang_timeout_s: float = 5.0, stall_timeout_s: float = 300.0,
+    def __init__(self, hang_timeout_s: float = HANG_TIMEOUT_S, stall_timeout_s: float = STALL_TIMEOUT_S,
                  starved_after_s: float = 2.0) -> None:
         self.hang_timeout_s = hang_timeout_s
         self.stall_timeout_s = stall_timeout_s

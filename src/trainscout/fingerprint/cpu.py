@@ -201,11 +201,8 @@ def _sum_pieces(words: np.ndarray, word_base: int, pieces: list[tuple[int, int]]
 
 @functools.lru_cache(maxsize=1)
 def default_threads() -> int:
-    # Inside a training process every core is the job's: one thread unless asked (TRAINSCOUT_FINGERPRINT_THREADS).
-    try:
-        return max(1, min(os.cpu_count() or 1, int(os.environ.get("TRAINSCOUT_FINGERPRINT_THREADS", "1"))))
-    except ValueError:
-        return 1
+    # Inside a training process every core is the job's: one thread unless asked (fingerprint.threads).
+    return max(1, min(os.cpu_count() or 1, _settings().threads))
 
 
 # ---------------------------------------------------------------- native lanes (C extension)
@@ -228,7 +225,13 @@ def _load_native() -> tuple[ModuleType | None, str]:
 
 
 _native, NATIVE_UNAVAILABLE = _load_native()
-_use_native = _native is not None and os.environ.get("TRAINSCOUT_FINGERPRINT_NATIVE", "1").strip() != "0"
+def _settings():
+    from trainscout.config import from_environ
+
+    return from_environ()[0].fingerprint
+
+
+_use_native = _native is not None and _settings().native
 
 
 def native_available() -> bool:

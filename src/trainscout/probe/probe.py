@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+from trainscout import config
 from trainscout.channel.layout import link_probe_request_path, replay_request_path, stack_path
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
@@ -36,7 +37,12 @@ _probe = None
 
 
 class Probe:
-    def __init__(self, run_id: str, rank: int, local_rank: int, world_size: int) -> None:
+    def __init__(self, run_id: str, rank: int, local_rank: int, world_size: int,
+                 settings: config.Config | None = None, run_dir: str | None = None, inject: str = "") -> None:
+        cfg = settings or config.Config()
+        checks = cfg.checks
+        self.run_dir = run_dir
+        self._inject = inject
         self.run_id = run_id
         self.rank = rank
         self.pid = os.getpid()
@@ -46,39 +52,39 @@ class Probe:
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
         self.publisher = Publisher(self.writer, run_id, rank, self.tap, lambda: self.step,
-                                   tick_s=float(os.environ.get("TRAINSCOUT_PROBE_TICK_S", "0.5")),
+                                   tick_s=cfg.probe.tick_s,
                                    buffer_entries=_env_number("TORCH_FR_BUFFER_SIZE", 256))
         self.tap.record_sync = self.publisher.record_sync
         self.state_check = None
-        if os.environ.get("TRAINSCOUT_STATE_CHECK", "1") != "0":
+        if checks.state.enabled:
             self.state_check = StateCheck(run_id, rank, self.publisher.append_locked,
-                                          budget=_env_number("TRAINSCOUT_STATE_BUDGET", 0.005),
-                                          period=_env_number("TRAINSCOUT_STATE_PERIOD", 0))
+                                          budget=checks.state.budget, period=checks.state.period)
         self.timing = StepTiming(self.publisher.append_locked)
         self.timing.on_device = self.publisher.set_device
         self.timing.other_thread_s = lambda: self.publisher.busy_s if self.publisher is not None else 0.0
         self.nonfinite = None
         self.evidence = None  # per-step loss and layer gradient norms, measured in the non-finite check's pass
-        if os.environ.get("TRAINSCOUT_NONFINITE_CHECK", "1") != "0":
-            if os.environ.get("TRAINSCOUT_EVIDENCE", "1") != "0":
+        if checks.nonfinite.enabled:
+            if cfg.probe.evidence:
                 self.evidence = LocalEvidence(self.publisher.append_locked, run_id, rank)
             self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error,
                                             on_cpu=self.timing.exclude_cpu,
-                                            budget=_env_number("TRAINSCOUT_NONFINITE_BUDGET", 0.001),
+                                            budget=checks.nonfinite.budget,
                                             evidence=self.evidence)
         self.gather_check = None
         if self.state_check is not None:
             self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
                                             lambda name: self.state_check.register(name, _world_group_name()),
-                                            period=_env_number("TRAINSCOUT_GATHER_PERIOD", 4))
+                                            period=checks.gather.period)
             if self.injector is not None:
                 self.gather_check.before_check = self.injector.on_gathered
         self.hpz_fix = None  # ZeRO++ hpZ: event-ordered secondary partition (probe/hpz_fix.py)
+        self._hpz_fix_mode = checks.hpz.fix
         self.hpz_check = None
-        if self.state_check is not None and os.environ.get("TRAINSCOUT_HPZ_CHECK", "1") != "0":
+        if self.state_check is not None and checks.hpz.check:
             self.hpz_check = HpzCheck(self.publisher.append_locked, lambda: self.step,
                                       lambda name: self.state_check.register(name, None),
-                                      period=_env_number("TRAINSCOUT_HPZ_PERIOD", 4), mode_of=self._hpz_mode,
+                                      period=checks.hpz.period, mode_of=self._hpz_mode,
                                       on_error=self._error)
         self.param_names: dict[int, str] = {}
         self.model = None
@@ -86,15 +92,13 @@ class Probe:
         self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
         self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self.timing.add_checkpoint)
         # At least 200 steps apart, and further when a replay costs more than 0.1 % of the steps between
-        # (a replay synchronises with the GPU: ~14 ms on a 10 ms host-bound CUDA step). An explicit
-        # TRAINSCOUT_REPLAY_EVERY alone means exactly that schedule (tests, short jobs).
-        every = _env_number("TRAINSCOUT_REPLAY_EVERY", 200)
-        explicit = "TRAINSCOUT_REPLAY_EVERY" in os.environ and "TRAINSCOUT_REPLAY_BUDGET" not in os.environ
-        budget = 0.0 if explicit else _env_number("TRAINSCOUT_REPLAY_BUDGET", 0.001)
+        # (a replay synchronises with the GPU: ~14 ms on a 10 ms host-bound CUDA step). A replay budget of 0
+        # means exactly every `every` steps (tests, short jobs).
+        every, budget = checks.replay.every, checks.replay.budget
         self.replay = Replay(self.publisher.append_locked, every, rank, budget) if every > 0 else None
         self._side_group = None  # gloo group over the world with a bounded timeout: replay, link probes
         self.link_probe = None
-        if os.environ.get("TRAINSCOUT_LINK_PROBE", "1") != "0":
+        if checks.link_probe:
             self.link_probe = LinkProbe(self.publisher.append_locked, rank, self._error)
         # from `trainscout replay` or a confirmation the coordinator asked for: {"id", "step", "layers", "state"}
         self._replay_request: dict | None = None
@@ -103,11 +107,11 @@ class Probe:
         self.publisher.on_tick = self._read_requests
 
     def _load_injector(self):
-        if not os.environ.get("TRAINSCOUT_INJECT"):
+        if not self._inject:
             return None
         from trainscout.faults.inject import FaultInjector
 
-        return FaultInjector.from_env(self.rank)
+        return FaultInjector.from_env(self.rank, {"TRAINSCOUT_INJECT": self._inject})
 
     def _error(self, text: str) -> None:
         try:
@@ -135,7 +139,7 @@ class Probe:
                     self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"))
         h.on_import("deepspeed.runtime.engine", self._guarded(self.checkpoints.wrap_deepspeed, "checkpoint hook"))
         try:
-            self.hpz_fix = hpz_fix.install(h, os.environ.get("TRAINSCOUT_HPZ_FIX", "event"), on_message=self._error)
+            self.hpz_fix = hpz_fix.install(h, self._hpz_fix_mode, on_message=self._error)
         except Exception as exc:
             self._error(f"hpZ fix not applied: {exc!r}")
         if self.hpz_check is not None:
@@ -211,7 +215,7 @@ class Probe:
         return out
 
     def _write_costs(self) -> None:
-        run_dir = os.environ.get("TRAINSCOUT_RUN_DIR")
+        run_dir = self.run_dir
         if not run_dir or os.getpid() != self.pid:
             return
         try:
@@ -470,6 +474,10 @@ def start() -> Probe | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ["TRAINSCOUT_PROBE_PID"] = str(os.getpid())
-    _probe = Probe(run_id, rank, local_rank, world_size)
+    settings, problems = config.from_environ()
+    _probe = Probe(run_id, rank, local_rank, world_size, settings, run_dir=os.environ.get("TRAINSCOUT_RUN_DIR"),
+                   inject=os.environ.get("TRAINSCOUT_INJECT", ""))
+    for problem in problems:  # a hand-set value trainscout run did not check: its default serves
+        _probe._error(problem)
     _probe.start()
     return _probe

@@ -20,7 +20,7 @@ least `every` steps apart and further when a replay costs more than `budget` of 
 (a replay that waits for the GPU to drain costs ~14 ms on a 10 ms host-bound step: every 200 steps
 would be 0.7 %). The source decides the next interval from its last replay's wall time and its step
 time and sends it in the replay's header, so every replica replays at the same steps. Without a
-budget (TRAINSCOUT_REPLAY_EVERY given alone) replays are at exactly the multiples of `every`.
+budget (checks.replay.budget = 0, TRAINSCOUT_REPLAY_BUDGET=0) replays are at exactly the multiples of `every`.
 """
 
 from __future__ import annotations

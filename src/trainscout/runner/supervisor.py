@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from trainscout import config
 from trainscout.channel.layout import list_channels, remove_run_files
 from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
@@ -36,8 +37,8 @@ class RunOptions:
     run_root: str = "runs"
     run_id: str | None = None
     inject: str = ""
-    hang_timeout_s: float = 5.0
-    stall_timeout_s: float = 300.0
+    hang_timeout_s: float = config.RUN.hang_timeout
+    stall_timeout_s: float = config.RUN.stall_timeout
     abort_on: list[str] = field(default_factory=list)
     coordinator_addr: str | None = None  # HOST:PORT; node 0 binds it, other nodes connect
     serve_coordinator: bool = True
@@ -47,6 +48,7 @@ class RunOptions:
     console: str = "auto"
     fr_buffer: int = 256
     quiet_launcher: bool = False
+    settings: dict[str, str] = field(default_factory=dict)  # the checked settings, as their environment variables
 
 
 def live_ranks(run_id: str) -> dict[int, int]:
@@ -108,6 +110,7 @@ class Supervisor:
     # ---- start ----------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(self.opts.settings)  # checked once here; the ranks, agent and coordinator read them back
         env["TRAINSCOUT_SECRET"] = self.secret_hex
         return env
 
