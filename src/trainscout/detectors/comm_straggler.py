@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 
 from trainscout.consensus import vote_statistical
 from trainscout.findings import STRAGGLER, Finding
-from trainscout.wire.messages import LinkRecord, StepRecord
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import LinkRecord, StepRecord
 
 BASELINE_STEPS = 16
 WINDOW = 8

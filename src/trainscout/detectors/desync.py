@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_exact
 from trainscout.detectors.observations import RankObs, group_label, rank_list
 from trainscout.findings import DESYNC, Finding
-from trainscout.probe.protocol import NATIVE_HASH
-from trainscout.wire.messages import CollectiveRecord
+from trainscout.markers import NATIVE_HASH
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import CollectiveRecord
 
 
 @dataclass

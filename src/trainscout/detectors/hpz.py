@@ -26,7 +26,10 @@ from collections import Counter
 
 from trainscout.detectors.observations import rank_list
 from trainscout.findings import HPZ_RACE, Finding
-from trainscout.wire.messages import StateRecord
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import StateRecord
 
 PREFIX = "hpz|"
 MAX_LISTED = 12  # parameters and ranges listed in a finding's evidence

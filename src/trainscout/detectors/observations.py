@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainscout.wire.messages import PgState, RankState
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import PgState, RankState
 
 
 @dataclass

@@ -11,7 +11,10 @@ from __future__ import annotations
 from trainscout.consensus import vote_exact
 from trainscout.detectors.observations import rank_list
 from trainscout.findings import SDC, Finding
-from trainscout.wire.messages import StateRecord
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import StateRecord
 
 
 class ReplicaStateDetector:

@@ -39,7 +39,11 @@ from trainscout.detectors.periodicity import LOOKBACK, regular_period
 from trainscout.detectors.time_split import (BLOCKED, BLOCKED_SHARED_GPU, DATA, STARVED, PartWatch, blocked_s, data_s,
                                              starved_s)
 from trainscout.findings import STRAGGLER, Finding
-from trainscout.wire.messages import GPU_UNMEASURED, LinkRecord, StepRecord
+from trainscout.markers import GPU_UNMEASURED
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import LinkRecord, StepRecord
 
 
 @dataclass(frozen=True)

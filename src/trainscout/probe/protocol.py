@@ -49,7 +49,7 @@ def entry_hash(sig: tuple) -> int:
 # What every member chains for a NATIVE collective, described or not: the probe describes those from
 # Flight Recorder reads that come at different moments on each rank, so only where they sit in the stream
 # is compared through the chain; their descriptions are compared record by record where members have them.
-NATIVE_HASH = int.from_bytes(hashlib.blake2b(b"native collective", digest_size=8).digest(), "little")
+from trainscout.markers import NATIVE_HASH  # noqa: E402  (shared with the detectors)
 
 
 def chain(previous: int, entry: int) -> int:

@@ -76,7 +76,7 @@ class ReplayRecord(msgspec.Struct, array_like=True):
     params: int = 0  # combined fingerprint of the layer's parameters (equal on healthy replicas)
 
 
-GPU_UNMEASURED = -2  # StepRecord.gpu_s / gpu_wait_s of a CUDA step whose GPU span was not read (-1: not CUDA)
+from trainscout.markers import GPU_UNMEASURED  # noqa: E402  (a CUDA step whose GPU span was not read)
 
 
 class StepRecord(msgspec.Struct, array_like=True):

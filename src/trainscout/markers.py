@@ -1,0 +1,15 @@
+"""Sentinel values the probe, the wire messages and the detectors share.
+
+They live apart from all three so the pure detectors can compare against them without importing the probe or
+the wire (detectors take plain records; a test checks what they import).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# StepRecord.gpu_s / gpu_wait_s of a CUDA step whose GPU span was not read (-1: not a CUDA step)
+GPU_UNMEASURED = -2
+# What a collective issued outside Python (DDP's C++ reducer, functional collectives) chains as, whether or not
+# the Flight Recorder has described it yet: every member chains the same value for it.
+NATIVE_HASH = int.from_bytes(hashlib.blake2b(b"native collective", digest_size=8).digest(), "little")
