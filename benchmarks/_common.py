@@ -77,21 +77,34 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     try:
-        torch_version = subprocess.run([PYTHON, "-c", "import torch; print(torch.__version__)"],
-                                       capture_output=True, text=True, timeout=120).stdout.strip()
+        torch_version = subprocess.run(
+            [PYTHON, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, timeout=120
+        ).stdout.strip()
     except Exception:
         torch_version = "?"
-    return {"nproc": str(os.cpu_count()), "cpu": cpu, "ram": ram, "torch": torch_version,
-            "python": platform.python_version(), "code_start": code_version()}
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "ram": ram,
+        "torch": torch_version,
+        "python": platform.python_version(),
+        "code_start": code_version(),
+    }
 
 
 def code_version() -> str:
     """The commit measured, plus uncommitted changes under src/: others commit to this tree while benchmarks run."""
     try:
-        head = subprocess.run(["git", "log", "-1", "--format=%h %cd %s", "--date=format:%H:%M:%S"], cwd=REPO,
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=REPO, capture_output=True,
-                               text=True, timeout=10).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "log", "-1", "--format=%h %cd %s", "--date=format:%H:%M:%S"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.split("\n")
         dirty = [line[3:] for line in dirty if line.strip()]
         return head + (f" (+ uncommitted: {', '.join(dirty)})" if dirty else "")
     except Exception as exc:
@@ -171,8 +184,10 @@ def append_results(title: str, info: dict[str, str], command: str, body: str) ->
         "",
     ]
     if not RESULTS_MD.exists():
-        RESULTS_MD.write_text("# trainscout benchmark results\n\nEach section is appended by the benchmark "
-                              "script named in its command line (see benchmarks/README.md).\n\n")
+        RESULTS_MD.write_text(
+            "# trainscout benchmark results\n\nEach section is appended by the benchmark "
+            "script named in its command line (see benchmarks/README.md).\n\n"
+        )
     with RESULTS_MD.open("a") as fh:
         fh.write("\n".join(head) + body.rstrip() + "\n\n")
 
@@ -188,8 +203,9 @@ class Launch:
     timed_out: bool
 
 
-def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 180.0,
-           sampler=None) -> Launch:
+def launch(
+    cmd: list[str], log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 180.0, sampler=None
+) -> Launch:
     """Run cmd in its own session with output to log_path; on timeout SIGTERM it (trainscout then stops its
     launcher, agent and coordinator cleanly), then SIGKILL its session if it lingers. sampler(proc), if
     given, is called about once a second while the command runs."""
@@ -200,8 +216,9 @@ def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, ti
     started = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -224,8 +241,13 @@ def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, ti
                 except OSError:
                     pass
                 code = proc.wait()
-    return Launch(code=code, wall_s=time.perf_counter() - started, load_before=load_before,
-                  load_after=load1(), timed_out=timed_out)
+    return Launch(
+        code=code,
+        wall_s=time.perf_counter() - started,
+        load_before=load_before,
+        load_after=load1(),
+        timed_out=timed_out,
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:

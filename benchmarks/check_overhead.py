@@ -22,8 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainscout.sinks import probe_costs  # noqa: E402
 
-from _common import (PYTHON, begin, CpuSampler, append_results, command_line, fmt, free_port, launch,  # noqa: E402
-                     markdown_table, median, read_jsonl, text_table, uptime)
+from _common import (
+    PYTHON,
+    begin,
+    CpuSampler,
+    append_results,
+    command_line,
+    fmt,
+    free_port,
+    launch,  # noqa: E402
+    markdown_table,
+    median,
+    read_jsonl,
+    text_table,
+    uptime,
+)
 
 OFF = {"TRAINSCOUT_STATE_CHECK": "0", "TRAINSCOUT_NONFINITE_CHECK": "0", "TRAINSCOUT_REPLAY_EVERY": "0"}
 CONFIGS = {
@@ -40,20 +53,57 @@ def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
     run_id = f"chk-{name.split()[0].replace('-', '')}-{index:02d}"
     timing = out / f"{run_id}.steps.txt"
     timing.unlink(missing_ok=True)
-    job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
-           str(free_port()), "-m", "trainscout.demo.train", "--steps", str(args.steps), "--timing-file", str(timing)]
-    cmd = job if env is None else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir", str(out),
-                                   "--run-id", run_id, "--", *job]
+    job = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        str(args.steps),
+        "--timing-file",
+        str(timing),
+    ]
+    cmd = (
+        job
+        if env is None
+        else [
+            PYTHON,
+            "-m",
+            "trainscout",
+            "run",
+            "--console",
+            "plain",
+            "--run-dir",
+            str(out),
+            "--run-id",
+            run_id,
+            "--",
+            *job,
+        ]
+    )
     sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
     res = launch(cmd, out / f"{run_id}.out", env=env or {}, timeout_s=args.timeout, sampler=sampler)
-    steps = [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] \
-        if timing.exists() else []
-    kept = steps[args.warmup:]
+    steps = (
+        [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] if timing.exists() else []
+    )
+    kept = steps[args.warmup :]
     costs = probe_costs.read_reports(str(out / run_id)) if env is not None else []
     findings = read_jsonl(out / run_id / "findings.jsonl") if env is not None else []
-    return {"config": name, "run_id": run_id, "code": res.code, "load": round(res.load_before, 2),
-            "median_ms": 1000 * median(kept) if kept else None, "cpu_ms": sampler.cpu_ms_per_step(), "costs": costs,
-            "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings]}
+    return {
+        "config": name,
+        "run_id": run_id,
+        "code": res.code,
+        "load": round(res.load_before, 2),
+        "median_ms": 1000 * median(kept) if kept else None,
+        "cpu_ms": sampler.cpu_ms_per_step(),
+        "costs": costs,
+        "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings],
+    }
 
 
 def accounting(rows: list[dict], check: str) -> tuple[float | None, float | None, str]:
@@ -63,7 +113,9 @@ def accounting(rows: list[dict], check: str) -> tuple[float | None, float | None
     detail = set()
     for c in reports:
         if check == "state_check" and check in c:
-            detail.add(f"stride {c[check]['stride']}, {c[check]['slots']} slots, period {c[check]['period_steps']} steps")
+            detail.add(
+                f"stride {c[check]['stride']}, {c[check]['slots']} slots, period {c[check]['period_steps']} steps"
+            )
         elif check == "replay" and check in c:
             detail.add(f"every {c[check]['every']} steps, {c[check]['count']} replays")
     if not per_step:
@@ -80,8 +132,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    parser.add_argument("--only", default="", help="comma-separated configurations to run (default: all of "
-                        + ", ".join(CONFIGS) + "); baseline and checks off are always run")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated configurations to run (default: all of "
+        + ", ".join(CONFIGS)
+        + "); baseline and checks off are always run",
+    )
     args = parser.parse_args()
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
     unknown = wanted - set(CONFIGS)
@@ -96,8 +153,11 @@ def main() -> int:
             rows.append(row)
             with (out / "check_overhead.jsonl").open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"{row['run_id']}: {name}: median {fmt(row['median_ms'], 3)} ms, exit {row['code']}, load "
-                  f"{row['load']:.2f}" + (f", findings {row['findings']}" if row["findings"] else ""), flush=True)
+            print(
+                f"{row['run_id']}: {name}: median {fmt(row['median_ms'], 3)} ms, exit {row['code']}, load "
+                f"{row['load']:.2f}" + (f", findings {row['findings']}" if row["findings"] else ""),
+                flush=True,
+            )
     up_after = uptime()
 
     def med(name: str, key: str = "median_ms") -> float | None:
@@ -106,35 +166,65 @@ def main() -> int:
 
     base, off = med("baseline"), med("checks off")
     cbase, coff = med("baseline", "cpu_ms"), med("checks off", "cpu_ms")
-    header = ["configuration", "median of run medians ms", "vs baseline", "vs checks off", "CPU ms/step (all processes)",
-              "CPU vs baseline", "CPU vs checks off", "in-rank accounting ms/step", "% of step time", "schedule"]
+    header = [
+        "configuration",
+        "median of run medians ms",
+        "vs baseline",
+        "vs checks off",
+        "CPU ms/step (all processes)",
+        "CPU vs baseline",
+        "CPU vs checks off",
+        "in-rank accounting ms/step",
+        "% of step time",
+        "schedule",
+    ]
     table = []
     for name in configs:
         m = med(name)
         check = {"state only": "state_check", "replay only": "replay", "non-finite only": "nonfinite"}.get(name)
         acc = accounting([r for r in rows if r["config"] == name], check) if check else (None, None, "")
         c = med(name, "cpu_ms")
-        table.append([name, fmt(m, 3), fmt(m / base, 4) if m and base else "-",
-                      fmt(m / off, 4) if m and off and name != "baseline" else "-",
-                      fmt(c, 2), fmt(c / cbase, 4) if c and cbase else "-",
-                      fmt(c / coff, 4) if c and coff and name != "baseline" else "-",
-                      fmt(acc[0], 3) if acc[0] is not None else "-", fmt(acc[1], 3) if acc[1] is not None else "-",
-                      acc[2]])
-    per_round = markdown_table(["round"] + list(configs),
-                               [[str(i)] + [fmt(r["median_ms"], 3) for r in rows[i * len(configs):(i + 1) * len(configs)]]
-                                for i in range(args.rounds)])
+        table.append(
+            [
+                name,
+                fmt(m, 3),
+                fmt(m / base, 4) if m and base else "-",
+                fmt(m / off, 4) if m and off and name != "baseline" else "-",
+                fmt(c, 2),
+                fmt(c / cbase, 4) if c and cbase else "-",
+                fmt(c / coff, 4) if c and coff and name != "baseline" else "-",
+                fmt(acc[0], 3) if acc[0] is not None else "-",
+                fmt(acc[1], 3) if acc[1] is not None else "-",
+                acc[2],
+            ]
+        )
+    per_round = markdown_table(
+        ["round"] + list(configs),
+        [
+            [str(i)] + [fmt(r["median_ms"], 3) for r in rows[i * len(configs) : (i + 1) * len(configs)]]
+            for i in range(args.rounds)
+        ],
+    )
     print()
     print(text_table(header, table))
     print(f"uptime after: {up_after}")
     findings = [(r["run_id"], r["findings"]) for r in rows if r["findings"]]
     failed = [r["run_id"] for r in rows if r["code"] != 0 or r["median_ms"] is None]
-    body = [f"- uptime before `{up_before}`; after `{up_after}`; 1-min load at run starts "
-            f"{min(r['load'] for r in rows):.2f}-{max(r['load'] for r in rows):.2f}",
-            f"- {args.rounds} rounds x {len(configs)} configurations, interleaved; {args.nproc} ranks, {args.steps} "
-            f"steps, first {args.warmup} ignored; step time from rank 0; run dirs under `<out-dir>`",
-            "- in-rank accounting: seconds each rank's probe spent in the check on the training thread "
-            "(`probe-cost.rank*.json`), median over ranks and runs",
-            "", markdown_table(header, table), "", "Median step ms per run:", "", per_round, ""]
+    body = [
+        f"- uptime before `{up_before}`; after `{up_after}`; 1-min load at run starts "
+        f"{min(r['load'] for r in rows):.2f}-{max(r['load'] for r in rows):.2f}",
+        f"- {args.rounds} rounds x {len(configs)} configurations, interleaved; {args.nproc} ranks, {args.steps} "
+        f"steps, first {args.warmup} ignored; step time from rank 0; run dirs under `<out-dir>`",
+        "- in-rank accounting: seconds each rank's probe spent in the check on the training thread "
+        "(`probe-cost.rank*.json`), median over ranks and runs",
+        "",
+        markdown_table(header, table),
+        "",
+        "Median step ms per run:",
+        "",
+        per_round,
+        "",
+    ]
     if findings:
         body.append(f"**Findings on healthy runs:** {findings}")
     if failed:

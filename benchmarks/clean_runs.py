@@ -28,25 +28,91 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, begin, append_results, command_line, fmt, free_port, launch, markdown_table,  # noqa: E402
-                     median, read_jsonl, text_table, uptime)
+from _common import (
+    PYTHON,
+    begin,
+    append_results,
+    command_line,
+    fmt,
+    free_port,
+    launch,
+    markdown_table,  # noqa: E402
+    median,
+    read_jsonl,
+    text_table,
+    uptime,
+)
 
 
 def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str, seed: int = 0) -> list[str]:
     common = ["--console", "plain", "--run-dir", str(out), "--run-id", run_id]
     port = str(free_port())
     if kind in ("plain", "hog", "six"):
-        return [PYTHON, "-m", "trainscout", "run", *common, "--", PYTHON, "-m", "torch.distributed.run",
-                "--nproc-per-node", "6" if kind == "six" else "4", "--master-port", port, "-m",
-                "trainscout.demo.train", "--steps", str(args.steps), "--seed", str(seed)]
+        return [
+            PYTHON,
+            "-m",
+            "trainscout",
+            "run",
+            *common,
+            "--",
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "6" if kind == "six" else "4",
+            "--master-port",
+            port,
+            "-m",
+            "trainscout.demo.train",
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(seed),
+        ]
     if kind == "slow":
-        return [PYTHON, "-m", "trainscout", "demo", "--fault", "slow", "--rank", "all", "--step", "0",
-                "--param", f"ms={args.slow_ms:g}", "--steps", str(args.steps), "--master-port", port, *common]
+        return [
+            PYTHON,
+            "-m",
+            "trainscout",
+            "demo",
+            "--fault",
+            "slow",
+            "--rank",
+            "all",
+            "--step",
+            "0",
+            "--param",
+            f"ms={args.slow_ms:g}",
+            "--steps",
+            str(args.steps),
+            "--master-port",
+            port,
+            *common,
+        ]
     if kind == "pause":
-        return [PYTHON, "-m", "trainscout", "run", *common, "--",
-                PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", port,
-                "-m", "trainscout.demo.train", "--steps", str(args.steps), "--pause-at", str(args.pause_at),
-                "--pause-seconds", f"{args.pause_seconds:g}"]
+        return [
+            PYTHON,
+            "-m",
+            "trainscout",
+            "run",
+            *common,
+            "--",
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            port,
+            "-m",
+            "trainscout.demo.train",
+            "--steps",
+            str(args.steps),
+            "--pause-at",
+            str(args.pause_at),
+            "--pause-seconds",
+            f"{args.pause_seconds:g}",
+        ]
     raise ValueError(kind)
 
 
@@ -102,34 +168,73 @@ def main() -> int:
         findings = read_jsonl(out / run_id / "findings.jsonl")
         launcher_log = out / run_id / "launcher.log"
         done = launcher_log.exists() and "done:" in launcher_log.read_text(errors="replace")
-        row = {"kind": kind, "run_id": run_id, "run_dir": str(out / run_id), "code": res.code,
-               "timed_out": res.timed_out, "wall_s": round(res.wall_s, 2), "load": round(res.load_before, 2),
-               "trained_to_end": done, "command": " ".join(cmd),
-               "findings": [{"kind": f.get("kind"), "culprits": f.get("culprit_ranks"),
-                             "status": f.get("status", "attributed"),  # omitted from JSON when default
-                             "summary": f.get("summary")} for f in findings]}
+        row = {
+            "kind": kind,
+            "run_id": run_id,
+            "run_dir": str(out / run_id),
+            "code": res.code,
+            "timed_out": res.timed_out,
+            "wall_s": round(res.wall_s, 2),
+            "load": round(res.load_before, 2),
+            "trained_to_end": done,
+            "command": " ".join(cmd),
+            "findings": [
+                {
+                    "kind": f.get("kind"),
+                    "culprits": f.get("culprit_ranks"),
+                    "status": f.get("status", "attributed"),  # omitted from JSON when default
+                    "summary": f.get("summary"),
+                }
+                for f in findings
+            ],
+        }
         row["passed"] = not findings and res.code == 0 and not res.timed_out
         rows.append(row)
         with (out / "clean.jsonl").open("a") as fh:
             fh.write(json.dumps(row) + "\n")
-        print(f"{run_id}: findings={len(findings)} {[(f['kind'], f['culprits']) for f in row['findings']]} "
-              f"exit={res.code} trained_to_end={done} wall {res.wall_s:.1f} s load {res.load_before:.2f}", flush=True)
+        print(
+            f"{run_id}: findings={len(findings)} {[(f['kind'], f['culprits']) for f in row['findings']]} "
+            f"exit={res.code} trained_to_end={done} wall {res.wall_s:.1f} s load {res.load_before:.2f}",
+            flush=True,
+        )
     up_after = uptime()
 
     header = ["run", "kind", "findings", "exit", "trained to end", "wall s", "load"]
-    table = [[r["run_id"], r["kind"],
-              "; ".join(f"{f['kind']} {f['culprits']} {f['status']}" for f in r["findings"]) or "0",
-              str(r["code"]) + (" (timed out)" if r["timed_out"] else ""), "yes" if r["trained_to_end"] else "no",
-              fmt(r["wall_s"], 1), fmt(r["load"])] for r in rows]
+    table = [
+        [
+            r["run_id"],
+            r["kind"],
+            "; ".join(f"{f['kind']} {f['culprits']} {f['status']}" for f in r["findings"]) or "0",
+            str(r["code"]) + (" (timed out)" if r["timed_out"] else ""),
+            "yes" if r["trained_to_end"] else "no",
+            fmt(r["wall_s"], 1),
+            fmt(r["load"]),
+        ]
+        for r in rows
+    ]
     totals_header = ["kind", "runs", "runs with findings", "findings", "exit != 0"]
     totals = []
     for kind in ("plain", "six", "slow", "pause", "hog"):
         mine = [r for r in rows if r["kind"] == kind]
         if mine:
-            totals.append([kind, str(len(mine)), str(sum(1 for r in mine if r["findings"])),
-                           str(sum(len(r["findings"]) for r in mine)), str(sum(1 for r in mine if r["code"] != 0))])
-    totals.append(["all", str(len(rows)), str(sum(1 for r in rows if r["findings"])),
-                   str(sum(len(r["findings"]) for r in rows)), str(sum(1 for r in rows if r["code"] != 0))])
+            totals.append(
+                [
+                    kind,
+                    str(len(mine)),
+                    str(sum(1 for r in mine if r["findings"])),
+                    str(sum(len(r["findings"]) for r in mine)),
+                    str(sum(1 for r in mine if r["code"] != 0)),
+                ]
+            )
+    totals.append(
+        [
+            "all",
+            str(len(rows)),
+            str(sum(1 for r in rows if r["findings"])),
+            str(sum(len(r["findings"]) for r in rows)),
+            str(sum(1 for r in rows if r["code"] != 0)),
+        ]
+    )
     print()
     print(text_table(totals_header, totals))
     print()
@@ -138,21 +243,37 @@ def main() -> int:
 
     failed = [r for r in rows if not r["passed"]]
     loads = [r["load"] for r in rows]
-    body = [f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
-            f"{fmt(median(loads))}, max {fmt(max(loads))}",
-            f"- {args.steps} steps per run; slow = {args.slow_ms:g} ms on every rank from step 0; pause = every rank "
-            f"checkpoints and sleeps {args.pause_seconds:g} s after step {args.pause_at} (hang timeout 5 s); "
-            f"hog = {args.hog_procs} busy-looping processes beside the job; six = 6 ranks; plain, hog and six runs "
-            "each use their own data seed; run dirs under `<out-dir>`",
-            "- pass = zero findings and exit code 0",
-            "", markdown_table(totals_header, totals), "", markdown_table(header, table), ""]
-    body.append(f"Passed {len(rows) - len(failed)}/{len(rows)}." if not failed else
-                f"**Failed {len(failed)}/{len(rows)}:** " + "; ".join(
-                    f"`{r['run_id']}`: exit {r['code']}, findings "
-                    f"{[(f['kind'], f['culprits'], f['summary']) for f in r['findings']]}" for r in failed))
+    body = [
+        f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
+        f"{fmt(median(loads))}, max {fmt(max(loads))}",
+        f"- {args.steps} steps per run; slow = {args.slow_ms:g} ms on every rank from step 0; pause = every rank "
+        f"checkpoints and sleeps {args.pause_seconds:g} s after step {args.pause_at} (hang timeout 5 s); "
+        f"hog = {args.hog_procs} busy-looping processes beside the job; six = 6 ranks; plain, hog and six runs "
+        "each use their own data seed; run dirs under `<out-dir>`",
+        "- pass = zero findings and exit code 0",
+        "",
+        markdown_table(totals_header, totals),
+        "",
+        markdown_table(header, table),
+        "",
+    ]
+    body.append(
+        f"Passed {len(rows) - len(failed)}/{len(rows)}."
+        if not failed
+        else f"**Failed {len(failed)}/{len(rows)}:** "
+        + "; ".join(
+            f"`{r['run_id']}`: exit {r['code']}, findings "
+            f"{[(f['kind'], f['culprits'], f['summary']) for f in r['findings']]}"
+            for r in failed
+        )
+    )
     if not args.no_record:
-        append_results("False positives on clean runs (benchmarks/clean_runs.py)", info,
-                       command_line().replace(str(out), "<out-dir>"), "\n".join(body))
+        append_results(
+            "False positives on clean runs (benchmarks/clean_runs.py)",
+            info,
+            command_line().replace(str(out), "<out-dir>"),
+            "\n".join(body),
+        )
     return 0 if not failed else 1
 
 

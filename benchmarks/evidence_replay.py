@@ -47,8 +47,15 @@ def replay(evidence_path: str, shared_gpu: bool = False) -> tuple[list[tuple], l
         for r, rec in numerics.get(step, []):
             num.add(r, "replicas", layers, [(rec.step, rec.loss, rec.norms)], 0.0)
         for f in strag.update(0.0, live):
-            found_s.append((f.kind, f.evidence.get("type"), f.culprit_ranks, f.step,
-                            "intermittent" if f.evidence.get("intermittent") else f.evidence.get("basis", "")[:20]))
+            found_s.append(
+                (
+                    f.kind,
+                    f.evidence.get("type"),
+                    f.culprit_ranks,
+                    f.step,
+                    "intermittent" if f.evidence.get("intermittent") else f.evidence.get("basis", "")[:20],
+                )
+            )
         for s in num.update(0.0, {"replicas": sorted(live)}):
             found_n.append((s.statistic, s.pattern, s.rank, s.step, s.layer, round(s.ratio, 2), round(s.z, 1)))
     return found_s, found_n
@@ -81,8 +88,15 @@ def main() -> int:
             findings_path = os.path.join(run_dir, "findings.jsonl")
             if os.path.exists(findings_path):
                 with open(findings_path) as fh:
-                    live = [(f["kind"], f["evidence"].get("type") or f["evidence"].get("check"), f["culprit_ranks"],
-                             f.get("step")) for f in map(json.loads, fh)]
+                    live = [
+                        (
+                            f["kind"],
+                            f["evidence"].get("type") or f["evidence"].get("check"),
+                            f["culprit_ranks"],
+                            f.get("step"),
+                        )
+                        for f in map(json.loads, fh)
+                    ]
             start = onset(run_dir)
             print(f"{os.path.basename(run_dir)}: onset {start} | replay {stragglers + numeric} | live {live}")
     print(f"{runs} runs replayed, {with_findings} with findings or suspects")

@@ -24,8 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from _common import (RESULTS_MD, append_results, command_line, date_utc, machine, markdown_table,  # noqa: E402
-                     median, text_table, uptime)
+from _common import (
+    RESULTS_MD,
+    append_results,
+    command_line,
+    date_utc,
+    machine,
+    markdown_table,  # noqa: E402
+    median,
+    text_table,
+    uptime,
+)
 
 try:
     from trainscout.fingerprint import cpu
@@ -102,26 +111,50 @@ def main() -> int:
             cpu.use_native(bool(previous))
         rows_gbs[size_mib] = {m: median(v) for m, v in samples.items()}
         spread = rows_range[size_mib] = {m: (min(v), max(v)) for m, v in samples.items()}
-        print(f"{size_mib} MiB: " + ", ".join(f"{m} {rows_gbs[size_mib][m]:.2f} GB/s "
-                                               f"({spread[m][0]:.2f}-{spread[m][1]:.2f})" for m in methods),
-              flush=True)
+        print(
+            f"{size_mib} MiB: "
+            + ", ".join(
+                f"{m} {rows_gbs[size_mib][m]:.2f} GB/s ({spread[m][0]:.2f}-{spread[m][1]:.2f})" for m in methods
+            ),
+            flush=True,
+        )
         del data, dst
     up_after = uptime()
 
-    header = ["size", *(f"{m} GB/s" + (" (default)" if m == f"native-{best}" else "") for m in methods[:-2]),
-              "numpy GB/s", "copy GB/s", "native / numpy", "native / copy"]
+    header = [
+        "size",
+        *(f"{m} GB/s" + (" (default)" if m == f"native-{best}" else "") for m in methods[:-2]),
+        "numpy GB/s",
+        "copy GB/s",
+        "native / numpy",
+        "native / copy",
+    ]
     table = []
     for size_mib, r in rows_gbs.items():
         nat = r.get(f"native-{best}") if best else None
-        table.append([f"{size_mib} MiB", *(f"{r[m]:.2f}" for m in methods),
-                      f"{nat / r['numpy']:.1f}x" if nat else "-", f"{nat / r['copy']:.2f}" if nat else "-"])
+        table.append(
+            [
+                f"{size_mib} MiB",
+                *(f"{r[m]:.2f}" for m in methods),
+                f"{nat / r['numpy']:.1f}x" if nat else "-",
+                f"{nat / r['copy']:.2f}" if nat else "-",
+            ]
+        )
     print()
     print(text_table(header, table))
     print(f"uptime after: {up_after}")
     # the recorded table also gives each median's range over the repetitions: on a shared machine it moves
-    md_table = [[row[0], *(f"{rows_gbs[size_mib][m]:.2f} ({rows_range[size_mib][m][0]:.2f}-"
-                           f"{rows_range[size_mib][m][1]:.2f})" for m in methods), *row[-2:]]
-                for row, size_mib in zip(table, rows_gbs)]
+    md_table = [
+        [
+            row[0],
+            *(
+                f"{rows_gbs[size_mib][m]:.2f} ({rows_range[size_mib][m][0]:.2f}-{rows_range[size_mib][m][1]:.2f})"
+                for m in methods
+            ),
+            *row[-2:],
+        ]
+        for row, size_mib in zip(table, rows_gbs)
+    ]
 
     body = [
         f"- load: before `{up_before}`; after `{up_after}`",
@@ -137,8 +170,12 @@ def main() -> int:
         if RESULTS_MD.exists() and not RESULTS_MD.read_text().endswith("\n\n"):
             with RESULTS_MD.open("a") as fh:  # a section written by hand may end without a blank line
                 fh.write("\n")
-        append_results("CPU fingerprint throughput, C kernel vs numpy (benchmarks/fingerprint_cpu.py)", info,
-                       command_line(), "\n".join(body))
+        append_results(
+            "CPU fingerprint throughput, C kernel vs numpy (benchmarks/fingerprint_cpu.py)",
+            info,
+            command_line(),
+            "\n".join(body),
+        )
     return 0
 
 

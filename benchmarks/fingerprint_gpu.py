@@ -260,7 +260,9 @@ def main() -> int:
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu", "--format=csv"],
-            capture_output=True, text=True, timeout=20,
+            capture_output=True,
+            text=True,
+            timeout=20,
         ).stdout.strip()
         text += f"\nnvidia-smi after the runs: `{' / '.join(smi.splitlines())}`\n"
     except Exception:

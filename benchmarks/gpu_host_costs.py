@@ -90,9 +90,13 @@ def main() -> int:
         step(True)
     torch.cuda.synchronize()
     n = nf.device_checks - n0
-    lines = [f"### Host time of the non-finite check per step, workload {args.workload}, 1-rank DDP, {n} checks", "",
-             "| part | us per step |", "| --- | --- |",
-             f"| whole check (`spent_s`: arm + end-of-backward + judging) | {(nf.spent_s - spent0) / n * 1e6:.1f} |"]
+    lines = [
+        f"### Host time of the non-finite check per step, workload {args.workload}, 1-rank DDP, {n} checks",
+        "",
+        "| part | us per step |",
+        "| --- | --- |",
+        f"| whole check (`spent_s`: arm + end-of-backward + judging) | {(nf.spent_s - spent0) / n * 1e6:.1f} |",
+    ]
     for name in ("_submit_counts", "_grad_ptrs", "enqueue", "take", "submit", "check_step"):
         lines.append(f"| {name} | {acc.get(name, 0.0) / n * 1e6:.1f} |")
 
@@ -116,18 +120,22 @@ def main() -> int:
     real_walk = nf._grad_ptrs  # the timed wrapper: unwrap for the bare loop
     assert real_walk(layout) is not None
     lines += ["", "| bare call | us per call |", "| --- | --- |"]
-    for label, fn in (("event.record()", ev.record), ("timing event.record()", tev.record), ("event.query()", ev.query),
-                      ("copy_ 55 floats device->pinned, non_blocking", lambda: host.copy_(dev, non_blocking=True)),
-                      ("torch.cuda.current_stream()", torch.cuda.current_stream),
-                      (f"gradient walk, Python loop ({len(params)} parameters)", walk),
-                      ("gradient walk, map()s (_grad_ptrs)", lambda: real_walk(layout))):
+    for label, fn in (
+        ("event.record()", ev.record),
+        ("timing event.record()", tev.record),
+        ("event.query()", ev.query),
+        ("copy_ 55 floats device->pinned, non_blocking", lambda: host.copy_(dev, non_blocking=True)),
+        ("torch.cuda.current_stream()", torch.cuda.current_stream),
+        (f"gradient walk, Python loop ({len(params)} parameters)", walk),
+        ("gradient walk, map()s (_grad_ptrs)", lambda: real_walk(layout)),
+    ):
         lines.append(f"| {label} | {_loop_us(fn):.2f} |")
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
 
     times: dict[bool, list[float]] = {False: [], True: []}
     for b in range(args.blocks):
-        for checked in ((False, True) if b % 2 == 0 else (True, False)):
+        for checked in (False, True) if b % 2 == 0 else (True, False):
             for _ in range(5):
                 step(checked)
             torch.cuda.synchronize()
@@ -137,8 +145,11 @@ def main() -> int:
             torch.cuda.synchronize()
             times[checked].append((time.perf_counter() - t0) / 40 * 1e3)
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    lines += ["", f"step ms, check off / on, median of {args.blocks} blocks of 40 steps: {off:.3f} / {on:.3f} "
-              f"({on / off - 1:+.2%}); blocks off {[round(t, 3) for t in times[False]]}, on {[round(t, 3) for t in times[True]]}"]
+    lines += [
+        "",
+        f"step ms, check off / on, median of {args.blocks} blocks of 40 steps: {off:.3f} / {on:.3f} "
+        f"({on / off - 1:+.2%}); blocks off {[round(t, 3) for t in times[False]]}, on {[round(t, 3) for t in times[True]]}",
+    ]
     print("\n".join(lines))
     dist.destroy_process_group()
     return 0

@@ -44,14 +44,22 @@ STEPS: list[str] = []  # measured steps per run, when not the workload's default
 PIN: list[str] = []  # --pin-cpus for the workload: every side's ranks on the same cores
 VARIANTS: dict[str, dict] = {}  # extra trainscout sides: name -> environment (--variant), e.g. a check off
 WORKLOADS = {
-    "a": {"label": "DDP, hidden 512 / 4 layers / seq 128 / batch 4",
-          "args": ["--hidden", "512", "--layers", "4", "--seq", "128", "--batch", "4"]},
-    "b": {"label": "DDP, hidden 2048 / 12 layers / seq 1024 / batch 8",
-          "args": ["--hidden", "2048", "--layers", "12", "--seq", "1024", "--batch", "8"]},
-    "c": {"label": "FSDP2 (fully_shard per block), hidden 2048 / 12 layers / seq 1024 / batch 8",
-          "args": ["--hidden", "2048", "--layers", "12", "--seq", "1024", "--batch", "8", "--fsdp"]},
-    "c-small": {"label": "FSDP2 (fully_shard per block), hidden 512 / 4 layers / seq 128 / batch 4",
-                "args": ["--hidden", "512", "--layers", "4", "--seq", "128", "--batch", "4", "--fsdp"]},
+    "a": {
+        "label": "DDP, hidden 512 / 4 layers / seq 128 / batch 4",
+        "args": ["--hidden", "512", "--layers", "4", "--seq", "128", "--batch", "4"],
+    },
+    "b": {
+        "label": "DDP, hidden 2048 / 12 layers / seq 1024 / batch 8",
+        "args": ["--hidden", "2048", "--layers", "12", "--seq", "1024", "--batch", "8"],
+    },
+    "c": {
+        "label": "FSDP2 (fully_shard per block), hidden 2048 / 12 layers / seq 1024 / batch 8",
+        "args": ["--hidden", "2048", "--layers", "12", "--seq", "1024", "--batch", "8", "--fsdp"],
+    },
+    "c-small": {
+        "label": "FSDP2 (fully_shard per block), hidden 512 / 4 layers / seq 128 / batch 4",
+        "args": ["--hidden", "512", "--layers", "4", "--seq", "128", "--batch", "4", "--fsdp"],
+    },
 }
 
 
@@ -61,13 +69,36 @@ def _launcher() -> list[str]:
 
 
 def command(side: str, workload: str, timing: str, run_dir: str, run_id: str) -> list[str]:
-    job = [*_launcher(), "--nproc-per-node", str(NPROC), "--master-port", str(free_port()), str(WORKLOAD),
-           *WORKLOADS[workload]["args"], *STEPS, *PIN, "--timing-file", timing]
+    job = [
+        *_launcher(),
+        "--nproc-per-node",
+        str(NPROC),
+        "--master-port",
+        str(free_port()),
+        str(WORKLOAD),
+        *WORKLOADS[workload]["args"],
+        *STEPS,
+        *PIN,
+        "--timing-file",
+        timing,
+    ]
     if side == "peer":
         return job + ["--scout"]
     if side == "trainscout" or side in VARIANTS:
-        return [sys.executable, "-m", "trainscout", "run", "--console", "plain", "--run-dir", run_dir,
-                "--run-id", run_id, "--", *job]
+        return [
+            sys.executable,
+            "-m",
+            "trainscout",
+            "run",
+            "--console",
+            "plain",
+            "--run-dir",
+            run_dir,
+            "--run-id",
+            run_id,
+            "--",
+            *job,
+        ]
     return job
 
 
@@ -82,8 +113,7 @@ def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extr
         rc, out = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as exc:
         rc, out = -9, f"timeout after {timeout} s: {exc.stdout or ''}{exc.stderr or ''}"
-    row = {"workload": workload, "side": side, "rep": rep, "rc": rc, "wall_s": time.monotonic() - t0,
-           "ranks": {}}
+    row = {"workload": workload, "side": side, "rep": rep, "rc": rc, "wall_s": time.monotonic() - t0, "ranks": {}}
     for rank in range(NPROC):
         path = Path(timing.replace("{rank}", str(rank)))
         if path.exists():
@@ -93,7 +123,9 @@ def run_one(side: str, workload: str, rep: int, work: Path, timeout: float, extr
     if side == "trainscout" or side in VARIANTS:
         findings = work / "runs" / run_id / "findings.jsonl"
         row["findings"] = findings.read_text().splitlines() if findings.exists() else []
-        row["probe_costs"] = [json.loads(c.read_text()) for c in sorted((work / "runs" / run_id).glob("probe-cost.rank*.json"))]
+        row["probe_costs"] = [
+            json.loads(c.read_text()) for c in sorted((work / "runs" / run_id).glob("probe-cost.rank*.json"))
+        ]
     return row
 
 
@@ -102,8 +134,11 @@ def summarise(rows: list[dict]) -> dict:
     out: dict = {}
     for w in dict.fromkeys(r["workload"] for r in rows):
         for side in (*SIDES, *VARIANTS):
-            runs = [r for r in rows if r["workload"] == w and r["side"] == side and r["rc"] == 0
-                    and len(r["ranks"]) == NPROC]
+            runs = [
+                r
+                for r in rows
+                if r["workload"] == w and r["side"] == side and r["rc"] == 0 and len(r["ranks"]) == NPROC
+            ]
             failed = [r for r in rows if r["workload"] == w and r["side"] == side and r not in runs]
             if not runs:
                 out[(w, side)] = {"n": 0, "failed": len(failed)}
@@ -138,26 +173,37 @@ def paired(rows: list[dict], w: str) -> list[str]:
     bootstrap interval, for the median and p95 of rank 0's step time and for its host time per step; then
     what trainscout's own checks spent on the training thread (the probes' cost reports)."""
     base = {r["rep"]: r for r in rows if r["workload"] == w and r["side"] == "baseline" and _ok(r)}
-    out = ["", "| side | rounds paired | step time vs baseline, median of rounds (95 % CI, or the range under 6 rounds) "
-           "| p95 vs baseline, median of rounds | host time per step vs baseline, median of rounds |",
-           "| --- | --- | --- | --- | --- |"]
+    out = [
+        "",
+        "| side | rounds paired | step time vs baseline, median of rounds (95 % CI, or the range under 6 rounds) "
+        "| p95 vs baseline, median of rounds | host time per step vs baseline, median of rounds |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for side in (*SIDES, *VARIANTS):
         if side == "baseline":
             continue
-        pairs = [(base[r["rep"]]["ranks"]["0"], r["ranks"]["0"]) for r in rows
-                 if r["workload"] == w and r["side"] == side and _ok(r) and r["rep"] in base]
+        pairs = [
+            (base[r["rep"]]["ranks"]["0"], r["ranks"]["0"])
+            for r in rows
+            if r["workload"] == w and r["side"] == side and _ok(r) and r["rep"] in base
+        ]
         if not pairs:
             continue
         med = [statistics.median(t["step_ms"]) / statistics.median(b["step_ms"]) for b, t in pairs]
         p95 = [percentile(t["step_ms"], 95) / percentile(b["step_ms"], 95) for b, t in pairs]
-        host = [statistics.median(t["host_step_ms"]) / statistics.median(b["host_step_ms"]) for b, t in pairs
-                if t.get("host_step_ms") and b.get("host_step_ms")]
+        host = [
+            statistics.median(t["host_step_ms"]) / statistics.median(b["host_step_ms"])
+            for b, t in pairs
+            if t.get("host_step_ms") and b.get("host_step_ms")
+        ]
         # a bootstrap of fewer than 6 rounds only restates them: give their range instead
         lo, hi = bootstrap_median_ci(med) if len(med) >= 6 else (min(med), max(med))
         spread = "95 % CI" if len(med) >= 6 else "range"
         hmed = f"{statistics.median(host) - 1:+.2%}" if host else "n/a"
-        out.append(f"| {side} | {len(pairs)} | {statistics.median(med) - 1:+.2%} ({spread} {lo - 1:+.2%} to {hi - 1:+.2%}) "
-                   f"| {statistics.median(p95) - 1:+.2%} | {hmed} |")
+        out.append(
+            f"| {side} | {len(pairs)} | {statistics.median(med) - 1:+.2%} ({spread} {lo - 1:+.2%} to {hi - 1:+.2%}) "
+            f"| {statistics.median(p95) - 1:+.2%} | {hmed} |"
+        )
     costs = [c for r in rows if r["workload"] == w and r["side"] == "trainscout" for c in r.get("probe_costs", [])]
     if costs:
         from trainscout.sinks.probe_costs import CHECKS, per_step
@@ -167,8 +213,11 @@ def paired(rows: list[dict], w: str) -> list[str]:
             ms, share = per_step(costs, check)
             if ms:
                 parts.append(f"{check} {statistics.median(ms) * 1000:.0f} us/step ({statistics.median(share):.2f} %)")
-        out += ["", f"trainscout's checks on the training thread (median over {len(costs)} rank reports): "
-                + ("; ".join(parts) or "none ran")]
+        out += [
+            "",
+            f"trainscout's checks on the training thread (median over {len(costs)} rank reports): "
+            + ("; ".join(parts) or "none ran"),
+        ]
     return out
 
 
@@ -178,11 +227,13 @@ def markdown(rows: list[dict], header: list[str]) -> str:
     for w in dict.fromkeys(r["workload"] for r in rows):
         base = stats.get((w, "baseline"), {})
         lines += [f"### workload {w}: {WORKLOADS[w]['label']}", ""]
-        lines += ["| side | runs ok | median step ms (run medians) | throughput loss (median) | mean step ms "
-                  "| throughput loss (mean) | p95 step ms (pooled) | p95 vs baseline "
-                  "| GPU peak MiB (median of runs, max over ranks) | GPU peak vs baseline "
-                  "| host RSS MiB per rank (peak) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "| side | runs ok | median step ms (run medians) | throughput loss (median) | mean step ms "
+            "| throughput loss (mean) | p95 step ms (pooled) | p95 vs baseline "
+            "| GPU peak MiB (median of runs, max over ranks) | GPU peak vs baseline "
+            "| host RSS MiB per rank (peak) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for side in (*SIDES, *VARIANTS):
             s = stats.get((w, side))
             if not s or not s["n"]:
@@ -198,7 +249,8 @@ def markdown(rows: list[dict], header: list[str]) -> str:
                 f"| {side} | {s['n']}/{s['n'] + s['failed']} | {s['median_ms']:.3f} ({meds}) | {loss:+.2%} | {s['mean_ms']:.3f} | {mloss:+.2%} | "
                 f"{s['p95_ms']:.3f} | {p95r:+.2%} | {peak / 2**20:.1f} | {(peak - bpeak) / bpeak:+.3%} | "
                 f"{' / '.join(f'{v / 1024:.0f}' for v in s['rss_kb'].values())} "
-                f"({' / '.join(f'{v / 1024:.0f}' for v in s['hwm_kb'].values())}) |")
+                f"({' / '.join(f'{v / 1024:.0f}' for v in s['hwm_kb'].values())}) |"
+            )
         lines += paired(rows, w)
         ts = stats.get((w, "trainscout"), {})
         if ts.get("findings"):
@@ -206,12 +258,21 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         for r in rows:
             p = r["ranks"].get("0", {}).get("trainscout") if r["workload"] == w else None
             if p:
-                lines += ["", f"{r['side']} probe, rank 0, at the end of run {r['rep']}: {json.dumps(p, sort_keys=True)}"]
+                lines += [
+                    "",
+                    f"{r['side']} probe, rank 0, at the end of run {r['rep']}: {json.dumps(p, sort_keys=True)}",
+                ]
         lines.append("")
     failures = [r for r in rows if r["rc"] != 0 or len(r["ranks"]) < NPROC]
     for r in failures:
-        lines += [f"failed run {r['workload']}-{r['side']}-{r['rep']} (exit {r['rc']}), output tail:", "",
-                  "```", r.get("tail", "")[-1500:], "```", ""]
+        lines += [
+            f"failed run {r['workload']}-{r['side']}-{r['rep']} (exit {r['rc']}), output tail:",
+            "",
+            "```",
+            r.get("tail", "")[-1500:],
+            "```",
+            "",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -298,7 +359,9 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
         t0 = time.perf_counter()
         h0 = nf.spent_s
         nf._counts_ok = mode != "nonfinite-norms"
-        checked_step(gw.loss_of(ddp, data), opt, nf, autograd, step_no, mode in ("nonfinite", "nonfinite-norms", "both"))
+        checked_step(
+            gw.loss_of(ddp, data), opt, nf, autograd, step_no, mode in ("nonfinite", "nonfinite-norms", "both")
+        )
         h2, c0 = time.perf_counter(), sc.spent_s
         if mode in ("state", "both"):
             sc.after_step(opt, step_no["n"], last_wall[0])
@@ -314,31 +377,46 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
     for _ in range(20):
         one_step("both", False)
     for b in range(blocks):
-        for mode in modes[b % len(modes):] + modes[: b % len(modes)]:
+        for mode in modes[b % len(modes) :] + modes[: b % len(modes)]:
             for _ in range(block_steps):
                 one_step(mode, True)
     torch.cuda.synchronize()
     for mode, start, end in pending:
         times[mode].append(start.elapsed_time(end))
     base = statistics.median(times["off"])
-    lines = [f"### probe check cost in place: workload {workload} ({WORKLOADS[workload]['label']}), 1-rank DDP",
-             "", f"{blocks} rounds x {len(modes)} modes x {block_steps} steps, modes interleaved; state-check stride "
-             f"at end: {sc.stride}, slots {len(sc._slots)}; non-finite vectors submitted {nf.device_checks}, "
-             f"records {len(records)}, counting-kernel error: {nf.counts_error or 'none'}",
-             "", "| checks on | median step ms | vs off | p95 step ms | mean host us per step in the checks "
-             "| of which the state check's budgeted part |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"### probe check cost in place: workload {workload} ({WORKLOADS[workload]['label']}), 1-rank DDP",
+        "",
+        f"{blocks} rounds x {len(modes)} modes x {block_steps} steps, modes interleaved; state-check stride "
+        f"at end: {sc.stride}, slots {len(sc._slots)}; non-finite vectors submitted {nf.device_checks}, "
+        f"records {len(records)}, counting-kernel error: {nf.counts_error or 'none'}",
+        "",
+        "| checks on | median step ms | vs off | p95 step ms | mean host us per step in the checks "
+        "| of which the state check's budgeted part |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for m in modes:
         med = statistics.median(times[m])
-        lines.append(f"| {m} | {med:.3f} | {med / base - 1:+.2%} | {percentile(times[m], 95):.3f} "
-                     f"| {statistics.mean(host[m]):.1f} | {statistics.mean(charged[m]):.1f} |")
+        lines.append(
+            f"| {m} | {med:.3f} | {med / base - 1:+.2%} | {percentile(times[m], 95):.3f} "
+            f"| {statistics.mean(host[m]):.1f} | {statistics.mean(charged[m]):.1f} |"
+        )
     dist.destroy_process_group()
     return "\n".join(lines) + "\n"
 
 
 def _machine() -> str:
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        smi = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except Exception:
         smi = []
     try:
@@ -347,7 +425,9 @@ def _machine() -> str:
         versions = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
     except Exception:
         versions = "torch ?"
-    return f"{len(smi)}x {smi[0] if smi else '?'}; {os.cpu_count()} CPUs; {versions}; python {platform.python_version()}"
+    return (
+        f"{len(smi)}x {smi[0] if smi else '?'}; {os.cpu_count()} CPUs; {versions}; python {platform.python_version()}"
+    )
 
 
 def main() -> int:
@@ -363,12 +443,21 @@ def main() -> int:
     ap.add_argument("--markdown", default="", help="write the section here")
     ap.add_argument("--label", default="")
     ap.add_argument("--trainscout-env", action="append", default=[], metavar="K=V")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V[,K=V]",
-                    help="an extra trainscout side with this environment (e.g. ts-no-state:TRAINSCOUT_STATE_CHECK=0), "
-                         "interleaved with the others; add NAME to --sides")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:K=V[,K=V]",
+        help="an extra trainscout side with this environment (e.g. ts-no-state:TRAINSCOUT_STATE_CHECK=0), "
+        "interleaved with the others; add NAME to --sides",
+    )
     ap.add_argument("--report", nargs="*", help="render a section from raw files instead of running")
-    ap.add_argument("--probe-cost", default="", metavar="WORKLOAD",
-                    help="instead: the per-step CUDA checks' cost, in place in one process (see probe_cost)")
+    ap.add_argument(
+        "--probe-cost",
+        default="",
+        metavar="WORKLOAD",
+        help="instead: the per-step CUDA checks' cost, in place in one process (see probe_cost)",
+    )
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--block-steps", type=int, default=25)
     args = ap.parse_args()
@@ -410,25 +499,31 @@ def main() -> int:
             print(f"{w}: the peer is skipped on 1 rank (its FSDP2 replay fails there)", flush=True)
             w_sides = [s for s in sides if s != "peer"]
         for rep in range(args.reps):
-            order = w_sides[rep % len(w_sides):] + w_sides[: rep % len(w_sides)]
+            order = w_sides[rep % len(w_sides) :] + w_sides[: rep % len(w_sides)]
             for side in order:
                 row = run_one(side, w, rep, work, args.timeout, extra_env)
                 rows.append(row)
                 s0 = row["ranks"].get("0", {}).get("step_ms", [])
-                print(f"{w} {side} rep {rep}: rc {row['rc']} wall {row['wall_s']:.1f}s "
-                      f"median {statistics.median(s0) if s0 else float('nan'):.3f} ms", flush=True)
+                print(
+                    f"{w} {side} rep {rep}: rc {row['rc']} wall {row['wall_s']:.1f}s "
+                    f"median {statistics.median(s0) if s0 else float('nan'):.3f} ms",
+                    flush=True,
+                )
                 if row["rc"] != 0:
                     print(row.get("tail", "")[-1500:], flush=True)
                 if args.raw:
                     with open(args.raw, "a") as fh:
                         fh.write(json.dumps(row) + "\n")
-    header = [f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label} — {stamp}".replace("  ", " "),
-              "", f"- machine: {_machine()}",
-              f"- command: `python3 {' '.join(sys.argv)}`",
-              f"- {NPROC} rank(s), one GPU each; {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
-              f"step times, {args.steps or 40} measured steps after 10 warm-up per run",
-              f"- trainscout env: {extra_env or 'defaults'}; variants: {VARIANTS or 'none'}; "
-              f"rank CPUs: {args.pin_cpus or 'not pinned'}"]
+    header = [
+        f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label} — {stamp}".replace("  ", " "),
+        "",
+        f"- machine: {_machine()}",
+        f"- command: `python3 {' '.join(sys.argv)}`",
+        f"- {NPROC} rank(s), one GPU each; {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
+        f"step times, {args.steps or 40} measured steps after 10 warm-up per run",
+        f"- trainscout env: {extra_env or 'defaults'}; variants: {VARIANTS or 'none'}; "
+        f"rank CPUs: {args.pin_cpus or 'not pinned'}",
+    ]
     text = markdown(rows, header)
     print(text)
     if args.markdown:

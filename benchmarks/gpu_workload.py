@@ -103,17 +103,29 @@ def _probe_stats() -> dict | None:
         pass
     nf, sc, gc = probe.nonfinite, probe.state_check, probe.gather_check
     if nf is not None:
-        out["nonfinite"] = {"device_checks": nf.device_checks, "counts_error": getattr(nf, "counts_error", None),
-                            "spent_s": nf.spent_s}
+        out["nonfinite"] = {
+            "device_checks": nf.device_checks,
+            "counts_error": getattr(nf, "counts_error", None),
+            "spent_s": nf.spent_s,
+        }
     if sc is not None:
         dev = getattr(sc, "_device", None)
-        out["state"] = {"stride": sc.stride, "spent_s": sc.spent_s,
-                        "published": dev.published if dev is not None else None}
+        out["state"] = {
+            "stride": sc.stride,
+            "spent_s": sc.spent_s,
+            "published": dev.published if dev is not None else None,
+        }
     if gc is not None and gc.modules:
         results = getattr(gc, "_results", None)
-        out["gather"] = {"modules": gc.modules, "stride": gc.stride, "spent_s": gc.spent_s,
-                         "submitted": results.inflight.submitted if results is not None else 0,
-                         "dropped": gc.dropped, "published": gc.published, "error": gc.error}
+        out["gather"] = {
+            "modules": gc.modules,
+            "stride": gc.stride,
+            "spent_s": gc.spent_s,
+            "submitted": results.inflight.submitted if results is not None else 0,
+            "dropped": gc.dropped,
+            "published": gc.published,
+            "error": gc.error,
+        }
     return out
 
 
@@ -130,9 +142,12 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP")
     ap.add_argument("--scout", action="store_true", help="enable lm-resiliency SCOUT (the peer tool)")
     ap.add_argument("--timing-file", default="")
-    ap.add_argument("--pin-cpus", default="",
-                    help="CPU sets per local rank, ';'-separated (e.g. '4-7;8-11'): each rank keeps to its own "
-                         "cores, so runs of different sides see the same placement")
+    ap.add_argument(
+        "--pin-cpus",
+        default="",
+        help="CPU sets per local rank, ';'-separated (e.g. '4-7;8-11'): each rank keeps to its own "
+        "cores, so runs of different sides see the same placement",
+    )
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -162,8 +177,14 @@ def main() -> None:
 
         # GEMINI in-memory checkpointing (enable_checkpoint, on by default) pairs ranks across nodes and
         # raises on one 2-GPU node (world size must be a multiple of 2 x GPUs per node): SCOUT only.
-        handle = enable_resiliency(model, opt, interval=5, enable_detection=True, enable_checkpoint=False,
-                                   replay=ReplayHarnessConfig(check_interval=5, rotate_layers=True))
+        handle = enable_resiliency(
+            model,
+            opt,
+            interval=5,
+            enable_detection=True,
+            enable_checkpoint=False,
+            replay=ReplayHarnessConfig(check_interval=5, rotate_layers=True),
+        )
 
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
     total = args.warmup + args.steps

@@ -38,8 +38,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "hpz_train.py"
-SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo",
-              "NCCL_IB_DISABLE": "1"}
+SOCKET_ENV = {
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_NET": "Socket",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+}
 
 
 def log(text: str) -> None:
@@ -63,30 +68,79 @@ class Runner:
 
     def worker_args(self, *extra: str) -> list[str]:
         a = self.args
-        size = (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128", "--seq", "16", "--batch", "2",
-                 "--persistence-threshold", "0", "--max-live", "0"]
-                if a.device == "cpu" else
-                ["--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq), "--batch", str(a.batch)])
+        size = (
+            [
+                "--layers",
+                "2",
+                "--hidden",
+                "64",
+                "--heads",
+                "4",
+                "--vocab",
+                "128",
+                "--seq",
+                "16",
+                "--batch",
+                "2",
+                "--persistence-threshold",
+                "0",
+                "--max-live",
+                "0",
+            ]
+            if a.device == "cpu"
+            else ["--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq), "--batch", str(a.batch)]
+        )
         return [str(WORKER), "--device", a.device, *size, *extra]
 
-    def job(self, name: str, worker: list[str], *, trainscout: dict | None = None, env: dict | None = None,
-            timeout: float = 300.0) -> dict:
+    def job(
+        self,
+        name: str,
+        worker: list[str],
+        *,
+        trainscout: dict | None = None,
+        env: dict | None = None,
+        timeout: float = 300.0,
+    ) -> dict:
         """One torchrun job (under `trainscout run` when trainscout is a dict of its environment)."""
         with self.lock:
             self.port += 1
             port = self.port
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.args.nproc),
-                  "--master-port", str(port), *worker]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(self.args.nproc),
+            "--master-port",
+            str(port),
+            *worker,
+        ]
         run_dir = self.work / "runs"
         run_id = f"hpz-{name}-{uuid.uuid4().hex[:6]}"
-        cmd = launch if trainscout is None else [sys.executable, "-m", "trainscout", "run", "--run-dir", str(run_dir),
-                                                 "--run-id", run_id, "--console", "plain", "--", *launch]
+        cmd = (
+            launch
+            if trainscout is None
+            else [
+                sys.executable,
+                "-m",
+                "trainscout",
+                "run",
+                "--run-dir",
+                str(run_dir),
+                "--run-id",
+                run_id,
+                "--console",
+                "plain",
+                "--",
+                *launch,
+            ]
+        )
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), **(trainscout or {})}
         if self.args.device == "cpu":
             full_env.setdefault("DS_ACCELERATOR", "cpu")
             full_env.setdefault("OMP_NUM_THREADS", "1")
         timeout = min(timeout, max(30.0, self.left_s()))
-        log(f"{name}: {' '.join(cmd[-len(worker):])} (timeout {timeout:.0f} s)")
+        log(f"{name}: {' '.join(cmd[-len(worker) :])} (timeout {timeout:.0f} s)")
         t0 = time.monotonic()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
@@ -118,17 +172,23 @@ class Runner:
 def compare_losses(a: list[float], b: list[float]) -> dict:
     n = min(len(a), len(b))
     first = next((i + 1 for i in range(n) if a[i] != b[i]), None)  # 1-based step
-    return {"steps": n, "bitwise_equal": first is None and len(a) == len(b), "first_different_step": first,
-            "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=0.0),
-            "final": [a[n - 1] if n else None, b[n - 1] if n else None]}
+    return {
+        "steps": n,
+        "bitwise_equal": first is None and len(a) == len(b),
+        "first_different_step": first,
+        "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=0.0),
+        "final": [a[n - 1] if n else None, b[n - 1] if n else None],
+    }
 
 
 def medians(blocks: list[dict]) -> dict:
     by: dict[str, list[float]] = {}
     for b in blocks:
         by.setdefault(b["mode"], []).append(b["tokens_per_s"])
-    return {m: {"median_tokens_per_s": statistics.median(v), "blocks": len(v), "min": min(v), "max": max(v)}
-            for m, v in by.items()}
+    return {
+        m: {"median_tokens_per_s": statistics.median(v), "blocks": len(v), "min": min(v), "max": max(v)}
+        for m, v in by.items()
+    }
 
 
 def paired_ratios(blocks: list[dict]) -> dict:
@@ -152,8 +212,11 @@ def tc_limit(rate: str) -> str:
     if tc is None:
         return "no tc on this machine: sockets unthrottled"
     subprocess.run([tc, "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-    done = subprocess.run([tc, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "8mb",
-                           "latency", "100ms"], capture_output=True, text=True)
+    done = subprocess.run(
+        [tc, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "8mb", "latency", "100ms"],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         return f"tc refused ({done.stderr.strip()[:200]}): sockets unthrottled"
     return f"loopback limited to {rate} (tc tbf)"
@@ -184,16 +247,23 @@ def main(argv=None) -> int:
     ap.add_argument("--socket-rate", default="12500mbit")
     ap.add_argument("--phases", default="ref,unsafe,stall,event,bench,socket")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip phases once this much time has passed")
-    ap.add_argument("--side-by-side", action="store_true",
-                    help="run ref, a second ref, unsafe and event at once on the same GPUs (correctness only: "
-                         "their timings mean nothing), then the other phases")
+    ap.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run ref, a second ref, unsafe and event at once on the same GPUs (correctness only: "
+        "their timings mean nothing), then the other phases",
+    )
     args = ap.parse_args(argv)
     r = Runner(args)
     phases = args.phases.split(",")
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args)}
     try:
-        res["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=20).stdout.strip()
+        res["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
     except Exception:
         res["nvidia_smi"] = "?"
     delay = ["--delay-ms", str(args.delay_ms)] if args.device == "cuda" else []
@@ -215,12 +285,18 @@ def main(argv=None) -> int:
     if args.side_by_side:
         from concurrent.futures import ThreadPoolExecutor
 
-        jobs = {"ref": (["--hpz", "1", *steps], None),
-                "ref2": (["--hpz", "1", *steps], None),
-                "unsafe": (["--hpz", "2", "--fix", "unsafe", "--truth", *delay, *steps],
-                           {"TRAINSCOUT_HPZ_FIX": "unsafe", "TRAINSCOUT_REPLAY_EVERY": "0"}),
-                "event": (["--hpz", "2", "--fix", "event", "--truth", *delay, *steps],
-                          {"TRAINSCOUT_HPZ_FIX": "event", "TRAINSCOUT_REPLAY_EVERY": "0"})}
+        jobs = {
+            "ref": (["--hpz", "1", *steps], None),
+            "ref2": (["--hpz", "1", *steps], None),
+            "unsafe": (
+                ["--hpz", "2", "--fix", "unsafe", "--truth", *delay, *steps],
+                {"TRAINSCOUT_HPZ_FIX": "unsafe", "TRAINSCOUT_REPLAY_EVERY": "0"},
+            ),
+            "event": (
+                ["--hpz", "2", "--fix", "event", "--truth", *delay, *steps],
+                {"TRAINSCOUT_HPZ_FIX": "event", "TRAINSCOUT_REPLAY_EVERY": "0"},
+            ),
+        }
         jobs = {k: v for k, v in jobs.items() if k in phases}
         with ThreadPoolExecutor(len(jobs)) as pool:
             futures = {k: pool.submit(r.train_job, k, extra, trainscout=ts) for k, (extra, ts) in jobs.items()}
@@ -232,19 +308,26 @@ def main(argv=None) -> int:
         res["ref"] = r.train_job("ref", ["--hpz", "1", *steps])
         save()
     if want("unsafe", 30):
-        res["unsafe"] = r.train_job("unsafe", ["--hpz", "2", "--fix", "unsafe", "--truth", *delay, *steps],
-                                    trainscout={"TRAINSCOUT_HPZ_FIX": "unsafe", "TRAINSCOUT_REPLAY_EVERY": "0"})
+        res["unsafe"] = r.train_job(
+            "unsafe",
+            ["--hpz", "2", "--fix", "unsafe", "--truth", *delay, *steps],
+            trainscout={"TRAINSCOUT_HPZ_FIX": "unsafe", "TRAINSCOUT_REPLAY_EVERY": "0"},
+        )
         save()
     if want("stall", 30):
         res["stall"] = r.train_job("stall", ["--hpz", "2", "--fix", "off", "--truth", *delay, *steps])
         save()
     if want("event", 30):
-        res["event"] = r.train_job("event", ["--hpz", "2", "--fix", "event", "--truth", *delay, *steps],
-                                   trainscout={"TRAINSCOUT_HPZ_FIX": "event", "TRAINSCOUT_REPLAY_EVERY": "0"})
+        res["event"] = r.train_job(
+            "event",
+            ["--hpz", "2", "--fix", "event", "--truth", *delay, *steps],
+            trainscout={"TRAINSCOUT_HPZ_FIX": "event", "TRAINSCOUT_REPLAY_EVERY": "0"},
+        )
         save()
     if args.device == "cuda" and want("bench", 40):
-        res["bench"] = r.train_job("bench", ["--hpz", "2", "--bench-rounds", str(args.bench_rounds),
-                                             "--bench-steps", str(args.bench_steps)])
+        res["bench"] = r.train_job(
+            "bench", ["--hpz", "2", "--bench-rounds", str(args.bench_rounds), "--bench-steps", str(args.bench_steps)]
+        )
         save()
     if args.device == "cuda" and want("socket", 60):
         res["socket_tc"] = tc_limit(args.socket_rate)
@@ -253,8 +336,9 @@ def main(argv=None) -> int:
             res["socket_hpz"] = r.train_job("socket_hpz", ["--hpz", "2", *sock], env=SOCKET_ENV)
             save()
             if want("socket", 40):
-                res["socket_plain"] = r.train_job("socket_plain", ["--hpz", "1", "--bench-modes", "plain", *sock],
-                                                  env=SOCKET_ENV)
+                res["socket_plain"] = r.train_job(
+                    "socket_plain", ["--hpz", "1", "--bench-modes", "plain", *sock], env=SOCKET_ENV
+                )
         finally:
             tc_clear()
         save()
@@ -280,12 +364,19 @@ def report(res: dict) -> str:
         corrupted = out.get("corrupted", [])
         first_bad = next((i + 1 for i, c in enumerate(corrupted) if c), None)
         finds = [(f["kind"], f.get("step"), f.get("culprit_ranks")) for f in ph.get("findings", [])]
-        ph["summary"] = {"vs_ref": cmp, "corrupted_gathers": sum(corrupted),
-                         "steps_with_corruption": sum(1 for c in corrupted if c),
-                         "first_corrupted_step": first_bad, "findings": finds, "fix": out.get("fix")}
-        lines.append(f"- {name}: rc={ph['rc']} {ph['seconds']:.0f} s; vs ZeRO-3 without hpZ: {cmp}; corrupted "
-                     f"gathers {sum(corrupted)} in {ph['summary']['steps_with_corruption']} steps "
-                     f"(first at step {first_bad}); trainscout findings {finds}; fix {out.get('fix')}")
+        ph["summary"] = {
+            "vs_ref": cmp,
+            "corrupted_gathers": sum(corrupted),
+            "steps_with_corruption": sum(1 for c in corrupted if c),
+            "first_corrupted_step": first_bad,
+            "findings": finds,
+            "fix": out.get("fix"),
+        }
+        lines.append(
+            f"- {name}: rc={ph['rc']} {ph['seconds']:.0f} s; vs ZeRO-3 without hpZ: {cmp}; corrupted "
+            f"gathers {sum(corrupted)} in {ph['summary']['steps_with_corruption']} steps "
+            f"(first at step {first_bad}); trainscout findings {finds}; fix {out.get('fix')}"
+        )
     for name in ("bench", "socket_hpz", "socket_plain"):
         ph = res.get(name)
         if not ph:
@@ -293,8 +384,10 @@ def report(res: dict) -> str:
         blocks = ph.get("result", {}).get("blocks", [])
         med = medians(blocks)
         ph["medians"] = med
-        text = ", ".join(f"{m} {v['median_tokens_per_s']:.0f} tok/s (n={v['blocks']}, {v['min']:.0f}-{v['max']:.0f})"
-                         for m, v in med.items())
+        text = ", ".join(
+            f"{m} {v['median_tokens_per_s']:.0f} tok/s (n={v['blocks']}, {v['min']:.0f}-{v['max']:.0f})"
+            for m, v in med.items()
+        )
         if "unsafe" in med and "event" in med and "off" in med:
             u, s, e = (med[m]["median_tokens_per_s"] for m in ("unsafe", "off", "event"))
             text += f"; event/unsafe {e / u:.4f}, event/stall {e / s:.4f}, stall/unsafe {s / u:.4f}"
@@ -308,18 +401,22 @@ def report(res: dict) -> str:
             paired_clean = paired_ratios([b for b in blocks if b["round"] not in dirty_rounds])
             ph["paired_clean"] = paired_clean
             ph["skipped_steps"] = {m: sum(b.get("skipped_steps", 0) for b in blocks if b["mode"] == m) for m in med}
-            text += (f"; optimizer steps skipped by mode {ph['skipped_steps']}; rounds without a skipped step "
-                     f"{len({b['round'] for b in blocks}) - len(dirty_rounds)}: paired (median) "
-                     + ", ".join(f"{k} {v:.4f}" for k, v in paired_clean.items())
-                     + "; medians of blocks without a skipped step: "
-                     + ", ".join(f"{m} {v['median_tokens_per_s']:.0f}" for m, v in medians(clean).items()))
+            text += (
+                f"; optimizer steps skipped by mode {ph['skipped_steps']}; rounds without a skipped step "
+                f"{len({b['round'] for b in blocks}) - len(dirty_rounds)}: paired (median) "
+                + ", ".join(f"{k} {v:.4f}" for k, v in paired_clean.items())
+                + "; medians of blocks without a skipped step: "
+                + ", ".join(f"{m} {v['median_tokens_per_s']:.0f}" for m, v in medians(clean).items())
+            )
         lines.append(f"- {name}: rc={ph['rc']}: {text}")
     if res.get("socket_tc"):
         lines.append(f"- sockets: {res['socket_tc']}")
     hp, pl = res.get("socket_hpz", {}).get("medians", {}), res.get("socket_plain", {}).get("medians", {})
     if "event" in hp and "plain" in pl:
-        lines.append(f"- sockets: hpZ (event) / plain ZeRO-3 = "
-                     f"{hp['event']['median_tokens_per_s'] / pl['plain']['median_tokens_per_s']:.4f}")
+        lines.append(
+            f"- sockets: hpZ (event) / plain ZeRO-3 = "
+            f"{hp['event']['median_tokens_per_s'] / pl['plain']['median_tokens_per_s']:.4f}"
+        )
     if res.get("skipped"):
         lines.append(f"- skipped: {res['skipped']}")
     return "\n".join(lines) + "\n"

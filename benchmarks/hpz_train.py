@@ -193,13 +193,23 @@ def main(argv=None) -> None:
     truth = Truth(device) if args.truth else None
     if truth is not None:
         truth.wrap()
-    zero = {"stage": 3, "overlap_comm": True, "stage3_max_reuse_distance": args.reuse_distance,
-            "stage3_max_live_parameters": args.max_live, "stage3_prefetch_bucket_size": 5e7,
-            "stage3_param_persistence_threshold": args.persistence_threshold}
+    zero = {
+        "stage": 3,
+        "overlap_comm": True,
+        "stage3_max_reuse_distance": args.reuse_distance,
+        "stage3_max_live_parameters": args.max_live,
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_param_persistence_threshold": args.persistence_threshold,
+    }
     if args.hpz > 1:
         zero["zero_hpz_partition_size"] = args.hpz
-    config = {"train_micro_batch_size_per_gpu": args.batch, "steps_per_print": 1_000_000,
-              "zero_optimization": zero, "bf16": {"enabled": cuda}, "gradient_clipping": 0.0}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "steps_per_print": 1_000_000,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cuda},
+        "gradient_clipping": 0.0,
+    }
     torch.manual_seed(1234)
     model = GPT(args.vocab, args.seq, args.hidden, args.heads, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
@@ -218,9 +228,17 @@ def main(argv=None) -> None:
         engine.step()
         return loss
 
-    result = {"args": vars(args), "world": world, "losses": [], "corrupted": [], "compared": [], "blocks": [],
-              "fix": fix.describe() if fix is not None else "no hpZ", "deepspeed": deepspeed.__version__,
-              "torch": torch.__version__}
+    result = {
+        "args": vars(args),
+        "world": world,
+        "losses": [],
+        "corrupted": [],
+        "compared": [],
+        "blocks": [],
+        "fix": fix.describe() if fix is not None else "no hpZ",
+        "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__,
+    }
     t0 = time.perf_counter()
     if args.bench_rounds <= 0:
         for step in range(1, args.steps + 1):
@@ -263,8 +281,15 @@ def main(argv=None) -> None:
                 tokens = args.bench_steps * args.batch * args.seq * world
                 # optimizer steps DeepSpeed skipped on non-finite gradients (corrupted gathers): shorter steps
                 skipped = getattr(engine, "skipped_steps", 0) - skipped
-                result["blocks"].append({"round": rnd, "mode": mode, "seconds": seconds,
-                                         "tokens_per_s": tokens / seconds, "skipped_steps": skipped})
+                result["blocks"].append(
+                    {
+                        "round": rnd,
+                        "mode": mode,
+                        "seconds": seconds,
+                        "tokens_per_s": tokens / seconds,
+                        "skipped_steps": skipped,
+                    }
+                )
         if fix is not None:
             fix.mode = "event"
             result["fix"] = fix.describe()
@@ -275,8 +300,7 @@ def main(argv=None) -> None:
         with open(args.out, "w") as fh:
             json.dump(result, fh)
     if rank == 0:
-        print(f"hpz_train: done {json.dumps({k: v for k, v in result.items() if k in ('fix', 'wall_s')})}",
-              flush=True)
+        print(f"hpz_train: done {json.dumps({k: v for k, v in result.items() if k in ('fix', 'wall_s')})}", flush=True)
 
 
 if __name__ == "__main__":

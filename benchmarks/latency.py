@@ -19,8 +19,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, begin, append_results, command_line, fmt, free_port, launch, markdown_table,  # noqa: E402
-                     median, percentile, read_jsonl, text_table, uptime)
+from _common import (
+    PYTHON,
+    begin,
+    append_results,
+    command_line,
+    fmt,
+    free_port,
+    launch,
+    markdown_table,  # noqa: E402
+    median,
+    percentile,
+    read_jsonl,
+    text_table,
+    uptime,
+)
 
 # name -> (extra demo arguments, the finding kind that is correct for it)
 FAULTS: dict[str, tuple[list[str], str]] = {
@@ -43,19 +56,51 @@ def one_run(fault: str, index: int, args: argparse.Namespace, out: Path) -> dict
     fault_log = out / f"{run_id}.faults.jsonl"
     fault_log.unlink(missing_ok=True)
     extra, expected = FAULTS[fault]
-    cmd = [PYTHON, "-m", "trainscout", "demo", *extra, "--rank", str(RANK), "--step", str(STEP),
-           "--steps", str(args.steps), "--console", "plain", "--run-dir", str(out), "--run-id", run_id,
-           "--master-port", str(free_port())]
+    cmd = [
+        PYTHON,
+        "-m",
+        "trainscout",
+        "demo",
+        *extra,
+        "--rank",
+        str(RANK),
+        "--step",
+        str(STEP),
+        "--steps",
+        str(args.steps),
+        "--console",
+        "plain",
+        "--run-dir",
+        str(out),
+        "--run-id",
+        run_id,
+        "--master-port",
+        str(free_port()),
+    ]
     res = launch(cmd, out / f"{run_id}.out", env={"TRAINSCOUT_FAULT_LOG": str(fault_log)}, timeout_s=args.timeout)
     fired = [e for e in read_jsonl(fault_log) if e.get("rank") == RANK]
     findings = read_jsonl(out / run_id / "findings.jsonl")
     findings.sort(key=lambda f: f.get("confirmed", 0.0))
-    row = {"fault": fault, "run_id": run_id, "run_dir": str(out / run_id), "code": res.code,
-           "wall_s": round(res.wall_s, 2), "timed_out": res.timed_out, "load": round(res.load_before, 2),
-           "fired": bool(fired), "n_findings": len(findings),
-           "findings": [{"kind": f.get("kind"), "culprits": f.get("culprit_ranks"),
-                         "status": f.get("status", "attributed"),  # omitted from JSON when default
-                         "summary": f.get("summary")} for f in findings]}
+    row = {
+        "fault": fault,
+        "run_id": run_id,
+        "run_dir": str(out / run_id),
+        "code": res.code,
+        "wall_s": round(res.wall_s, 2),
+        "timed_out": res.timed_out,
+        "load": round(res.load_before, 2),
+        "fired": bool(fired),
+        "n_findings": len(findings),
+        "findings": [
+            {
+                "kind": f.get("kind"),
+                "culprits": f.get("culprit_ranks"),
+                "status": f.get("status", "attributed"),  # omitted from JSON when default
+                "summary": f.get("summary"),
+            }
+            for f in findings
+        ],
+    }
     latency = first_seen = None
     correct = False
     if fired and findings:
@@ -64,8 +109,13 @@ def one_run(fault: str, index: int, args: argparse.Namespace, out: Path) -> dict
         latency = first["confirmed"] - t_fault
         first_seen = first.get("first_seen", first["confirmed"]) - t_fault
         correct = first.get("kind") == expected and first.get("culprit_ranks") == [RANK]
-    row.update(latency_s=latency, first_seen_s=first_seen, correct=correct, expected=expected,
-               extra_findings=max(len(findings) - 1, 0))
+    row.update(
+        latency_s=latency,
+        first_seen_s=first_seen,
+        correct=correct,
+        expected=expected,
+        extra_findings=max(len(findings) - 1, 0),
+    )
     return row
 
 
@@ -77,18 +127,30 @@ def summarise(rows: list[dict], faults: list[str]) -> tuple[list[str], list[list
         lat = [r["latency_s"] for r in mine if r["latency_s"] is not None]
         ok = sum(r["correct"] for r in mine)
         within = sum(1 for x in lat if x <= BAR_S)  # a run with no finding counts as missing the bar
-        table.append([fault, FAULTS[fault][1], str(len(mine)), f"{ok}/{len(mine)}",
-                      fmt(min(lat) if lat else None), fmt(median(lat) if lat else None),
-                      fmt(percentile(lat, 90) if lat else None), fmt(max(lat) if lat else None),
-                      f"{within}/{len(mine)}"])
+        table.append(
+            [
+                fault,
+                FAULTS[fault][1],
+                str(len(mine)),
+                f"{ok}/{len(mine)}",
+                fmt(min(lat) if lat else None),
+                fmt(median(lat) if lat else None),
+                fmt(percentile(lat, 90) if lat else None),
+                fmt(max(lat) if lat else None),
+                f"{within}/{len(mine)}",
+            ]
+        )
     return header, table
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10, help="runs per fault (default 10)")
-    parser.add_argument("--faults", default="hang,gil,desync,crash,exit",
-                        help=f"comma-separated subset of {','.join(FAULTS)} (default: all but desync-reduce)")
+    parser.add_argument(
+        "--faults",
+        default="hang,gil,desync,crash,exit",
+        help=f"comma-separated subset of {','.join(FAULTS)} (default: all but desync-reduce)",
+    )
     parser.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before a run is stopped (default 180)")
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default /tmp/...)")
@@ -109,9 +171,12 @@ def main() -> int:
             with raw.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
             first = row["findings"][0] if row["findings"] else None
-            print(f"{row['run_id']}: latency {fmt(row['latency_s'])} s, correct={row['correct']}, "
-                  f"first={first and (first['kind'], first['culprits'])}, findings={row['n_findings']}, "
-                  f"exit={row['code']}, wall {row['wall_s']:.1f} s, load {row['load']:.2f}", flush=True)
+            print(
+                f"{row['run_id']}: latency {fmt(row['latency_s'])} s, correct={row['correct']}, "
+                f"first={first and (first['kind'], first['culprits'])}, findings={row['n_findings']}, "
+                f"exit={row['code']}, wall {row['wall_s']:.1f} s, load {row['load']:.2f}",
+                flush=True,
+            )
     up_after = uptime()
     header, table = summarise(rows, faults)
     print()
@@ -120,24 +185,41 @@ def main() -> int:
 
     wrong = [r for r in rows if not r["correct"] or r["extra_findings"] or r["timed_out"]]
     loads = [r["load"] for r in rows]
-    body = [f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
-            f"{fmt(median(loads))}, max {fmt(max(loads))}",
-            f"- runs: {args.runs} per fault, round-robin; demo defaults (hang timeout 5 s); fault on rank {RANK} "
-            f"at step {STEP}, --steps {args.steps}; run dirs under `<out-dir>`",
-            "- latency = first finding's `confirmed` − the fault's `t` in TRAINSCOUT_FAULT_LOG (seconds); "
-            f"bar <= {BAR_S:g} s",
-            "", markdown_table(header, table), ""]
+    body = [
+        f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
+        f"{fmt(median(loads))}, max {fmt(max(loads))}",
+        f"- runs: {args.runs} per fault, round-robin; demo defaults (hang timeout 5 s); fault on rank {RANK} "
+        f"at step {STEP}, --steps {args.steps}; run dirs under `<out-dir>`",
+        "- latency = first finding's `confirmed` − the fault's `t` in TRAINSCOUT_FAULT_LOG (seconds); "
+        f"bar <= {BAR_S:g} s",
+        "",
+        markdown_table(header, table),
+        "",
+    ]
     if wrong:
         body += ["Runs that were wrong, timed out, or had more than one finding:", ""]
-        body += [f"- `{r['run_id']}` ({r['run_dir']}): exit {r['code']}, timed out {r['timed_out']}, fired "
-                 f"{r['fired']}, findings {[(f['kind'], f['culprits'], f['status']) for f in r['findings']]}"
-                 for r in wrong]
+        body += [
+            f"- `{r['run_id']}` ({r['run_dir']}): exit {r['code']}, timed out {r['timed_out']}, fired "
+            f"{r['fired']}, findings {[(f['kind'], f['culprits'], f['status']) for f in r['findings']]}"
+            for r in wrong
+        ]
         body.append("")
     per_run = markdown_table(
         ["run", "latency s", "first seen s", "correct", "findings", "exit", "wall s", "load"],
-        [[r["run_id"], fmt(r["latency_s"]), fmt(r["first_seen_s"]), "yes" if r["correct"] else "**no**",
-          "; ".join(f"{f['kind']} {f['culprits']}" for f in r["findings"]) or "none", str(r["code"]),
-          fmt(r["wall_s"], 1), fmt(r["load"])] for r in rows])
+        [
+            [
+                r["run_id"],
+                fmt(r["latency_s"]),
+                fmt(r["first_seen_s"]),
+                "yes" if r["correct"] else "**no**",
+                "; ".join(f"{f['kind']} {f['culprits']}" for f in r["findings"]) or "none",
+                str(r["code"]),
+                fmt(r["wall_s"], 1),
+                fmt(r["load"]),
+            ]
+            for r in rows
+        ],
+    )
     body += ["<details><summary>per run</summary>", "", per_run, "", "</details>"]
     if not args.no_record:
         append_results("Detection latency (benchmarks/latency.py)", info, command_line(), "\n".join(body))

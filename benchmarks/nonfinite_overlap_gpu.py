@@ -10,6 +10,7 @@ host time spent per step in the hooks and the end-of-backward callback.
     python3 benchmarks/nonfinite_overlap_gpu.py HIDDEN LAYERS SEQ BATCH GROUP_MIB
     python3 benchmarks/nonfinite_overlap_gpu.py 2048 12 1024 8 64
 """
+
 import os
 import statistics
 import sys
@@ -44,6 +45,7 @@ state = {"mode": "none", "order": [], "groups": None, "layouts": {}, "pending": 
 train_stream = torch.cuda.current_stream()
 host_us = []
 
+
 def launch(tensors, key, stream):
     lay = state["layouts"].get(key)
     if lay is None:
@@ -59,6 +61,7 @@ def launch(tensors, key, stream):
         nc.enqueue(lay, [t.data_ptr() for t in tensors], slot.device, slot)
         results.submit(slot, getattr(lay, "n_values", lay.n_out), key)
 
+
 def hook(p):
     if state["learn"]:
         state["order"].append(p)
@@ -72,12 +75,14 @@ def hook(p):
         flush_group()
     host_us.append(time.perf_counter() - t0)
 
+
 def flush_group():
     ps = state["pending"]
     if not ps:
         return
     launch([q.grad for q in ps], tuple(id(q) for q in ps), side)
     state["pending"], state["bytes"] = [], 0
+
 
 def end_of_backward():
     t0 = time.perf_counter()
@@ -88,8 +93,10 @@ def end_of_backward():
         train_stream.wait_stream(side)
     host_us.append(time.perf_counter() - t0)
 
+
 for p in params:
     p.register_post_accumulate_grad_hook(hook)
+
 
 def step():
     data = torch.randint(0, gw.VOCAB, (batch, seq + 1), device=dev, generator=gen)
@@ -99,6 +106,7 @@ def step():
     opt.step()
     opt.zero_grad(set_to_none=True)
     results.ready()
+
 
 for _ in range(3):
     step()
@@ -111,7 +119,7 @@ torch.cuda.synchronize()
 times = {m: [] for m in ("none", "end", "overlap")}
 hosts = {m: [] for m in times}
 for b in range(6):
-    for m in (("none", "end", "overlap") if b % 2 == 0 else ("overlap", "end", "none")):
+    for m in ("none", "end", "overlap") if b % 2 == 0 else ("overlap", "end", "none"):
         state["mode"] = m
         for _ in range(3):
             step()
@@ -127,9 +135,13 @@ for b in range(6):
         hosts[m].append(sum(host_us) / 15 * 1e6)
 base = statistics.median(times["none"])
 gb = sum(p.numel() * 4 for p in params) / 1e9
-print(f"model {hidden}/{layers}/{seq}/{batch}: {gb:.2f} GB of fp32 gradients; group {GROUP_BYTES >> 20} MiB; groups per step ~{max(1, int(gb * 1e9 // GROUP_BYTES))}")
+print(
+    f"model {hidden}/{layers}/{seq}/{batch}: {gb:.2f} GB of fp32 gradients; group {GROUP_BYTES >> 20} MiB; groups per step ~{max(1, int(gb * 1e9 // GROUP_BYTES))}"
+)
 for m in times:
     med = statistics.median(times[m])
-    print(f"{m:8s} step ms median {med:.3f} ({med / base - 1:+.2%}) blocks {[round(t, 2) for t in times[m]]} host us/step in hooks {statistics.median(hosts[m]):.0f}")
+    print(
+        f"{m:8s} step ms median {med:.3f} ({med / base - 1:+.2%}) blocks {[round(t, 2) for t in times[m]]} host us/step in hooks {statistics.median(hosts[m]):.0f}"
+    )
 print("results submitted", results.inflight.submitted, "dropped", results.inflight.dropped)
 dist.destroy_process_group()

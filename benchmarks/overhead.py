@@ -26,9 +26,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, CpuSampler, append_results, bootstrap_median_ci, command_line, date_utc,  # noqa: E402
-                     default_out_dir, fmt, free_port, launch, load1, machine, markdown_table, median, parse_env,
-                     percentile, read_jsonl, text_table, uptime)
+from _common import (
+    PYTHON,
+    CpuSampler,
+    append_results,
+    bootstrap_median_ci,
+    command_line,
+    date_utc,  # noqa: E402
+    default_out_dir,
+    fmt,
+    free_port,
+    launch,
+    load1,
+    machine,
+    markdown_table,
+    median,
+    parse_env,
+    percentile,
+    read_jsonl,
+    text_table,
+    uptime,
+)
 
 BAR = 1.01
 
@@ -51,21 +69,59 @@ def one_run(side: str, index: int, args: argparse.Namespace, out: Path, env: dic
     run_id = f"oh-{side}-{index:02d}"
     timing = out / f"{run_id}.steps.txt"
     timing.unlink(missing_ok=True)
-    job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
-           str(free_port()), "-m", "trainscout.demo.train", "--steps", str(args.steps), "--timing-file", str(timing)]
-    cmd = job if side == "base" else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir",
-                                      str(out), "--run-id", run_id, "--", *job]
+    job = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        str(args.steps),
+        "--timing-file",
+        str(timing),
+    ]
+    cmd = (
+        job
+        if side == "base"
+        else [
+            PYTHON,
+            "-m",
+            "trainscout",
+            "run",
+            "--console",
+            "plain",
+            "--run-dir",
+            str(out),
+            "--run-id",
+            run_id,
+            "--",
+            *job,
+        ]
+    )
     sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
     res = launch(cmd, out / f"{run_id}.out", env=env, timeout_s=args.timeout, sampler=sampler)
-    steps = [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] \
-        if timing.exists() else []
-    kept = steps[args.warmup:]
+    steps = (
+        [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] if timing.exists() else []
+    )
+    kept = steps[args.warmup :]
     findings = read_jsonl(out / run_id / "findings.jsonl") if side == "trainscout" else []
-    return {"side": side, "run_id": run_id, "code": res.code, "wall_s": round(res.wall_s, 2),
-            "load": round(res.load_before, 2), "n_steps": len(steps), "steps": kept,
-            "median_ms": 1000 * median(kept) if kept else None, "cpu_ms": sampler.cpu_ms_per_step(),
-            "p95_ms": 1000 * percentile(kept, 95) if kept else None,
-            "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings]}
+    return {
+        "side": side,
+        "run_id": run_id,
+        "code": res.code,
+        "wall_s": round(res.wall_s, 2),
+        "load": round(res.load_before, 2),
+        "n_steps": len(steps),
+        "steps": kept,
+        "median_ms": 1000 * median(kept) if kept else None,
+        "cpu_ms": sampler.cpu_ms_per_step(),
+        "p95_ms": 1000 * percentile(kept, 95) if kept else None,
+        "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings],
+    }
 
 
 def per_pair_ratios(pairs: list[tuple[dict, dict]]) -> tuple[list[float], list[float]]:
@@ -108,9 +164,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")
-    parser.add_argument("--pool", nargs="+", type=Path, metavar="JSONL",
-                        help="run nothing: pool the pairs of earlier runs' overhead.jsonl files (same code) and "
-                             "print the per-pair medians with their 95 %% bootstrap intervals")
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="JSONL",
+        help="run nothing: pool the pairs of earlier runs' overhead.jsonl files (same code) and "
+        "print the per-pair medians with their 95 %% bootstrap intervals",
+    )
     args = parser.parse_args()
     if args.pool:
         print(pooled(args.pool))
@@ -123,32 +184,57 @@ def main() -> int:
     start_load, waited, quiet = wait_for_quiet(args.load_below, args.max_wait)
     info["date"] = date_utc()
     up_before = uptime()
-    print(f"out dir: {out}\nstarted at 1-min load {start_load:.2f} after waiting {waited:.0f} s "
-          f"({'quiet' if quiet else 'NOT quiet: ran anyway'})\nuptime before: {up_before}", flush=True)
+    print(
+        f"out dir: {out}\nstarted at 1-min load {start_load:.2f} after waiting {waited:.0f} s "
+        f"({'quiet' if quiet else 'NOT quiet: ran anyway'})\nuptime before: {up_before}",
+        flush=True,
+    )
 
     rows: list[dict] = []
     for i in range(args.pairs):
         order = (("base", base_env), ("trainscout", ts_env))
-        for side, env in (order if i % 2 == 0 else order[::-1]):  # ABBA: a load drift hits both sides alike
+        for side, env in order if i % 2 == 0 else order[::-1]:  # ABBA: a load drift hits both sides alike
             row = one_run(side, i, args, out, env)
             rows.append(row)
             with (out / "overhead.jsonl").open("a") as fh:
                 fh.write(json.dumps({k: v for k, v in row.items() if k != "steps"}) + "\n")
-            print(f"{row['run_id']}: median {fmt(row['median_ms'], 3)} ms p95 {fmt(row['p95_ms'], 3)} ms over "
-                  f"{len(row['steps'])} steps, exit {row['code']}, wall {row['wall_s']:.1f} s, load {row['load']:.2f}"
-                  + (f", findings {row['findings']}" if row["findings"] else ""), flush=True)
+            print(
+                f"{row['run_id']}: median {fmt(row['median_ms'], 3)} ms p95 {fmt(row['p95_ms'], 3)} ms over "
+                f"{len(row['steps'])} steps, exit {row['code']}, wall {row['wall_s']:.1f} s, load {row['load']:.2f}"
+                + (f", findings {row['findings']}" if row["findings"] else ""),
+                flush=True,
+            )
     up_after = uptime()
 
     base = [r for r in rows if r["side"] == "base"]
     ts = [r for r in rows if r["side"] == "trainscout"]
     per_run = markdown_table(
-        ["pair", "baseline median ms", "trainscout median ms", "ratio", "baseline CPU ms/step",
-         "trainscout CPU ms/step", "CPU ratio", "baseline load", "trainscout load"],
-        [[str(i), fmt(b["median_ms"], 3), fmt(t["median_ms"], 3),
-          fmt(t["median_ms"] / b["median_ms"], 4) if b["median_ms"] and t["median_ms"] else "-",
-          fmt(b["cpu_ms"], 2), fmt(t["cpu_ms"], 2),
-          fmt(t["cpu_ms"] / b["cpu_ms"], 4) if b["cpu_ms"] and t["cpu_ms"] else "-",
-          fmt(b["load"]), fmt(t["load"])] for i, (b, t) in enumerate(zip(base, ts))])
+        [
+            "pair",
+            "baseline median ms",
+            "trainscout median ms",
+            "ratio",
+            "baseline CPU ms/step",
+            "trainscout CPU ms/step",
+            "CPU ratio",
+            "baseline load",
+            "trainscout load",
+        ],
+        [
+            [
+                str(i),
+                fmt(b["median_ms"], 3),
+                fmt(t["median_ms"], 3),
+                fmt(t["median_ms"] / b["median_ms"], 4) if b["median_ms"] and t["median_ms"] else "-",
+                fmt(b["cpu_ms"], 2),
+                fmt(t["cpu_ms"], 2),
+                fmt(t["cpu_ms"] / b["cpu_ms"], 4) if b["cpu_ms"] and t["cpu_ms"] else "-",
+                fmt(b["load"]),
+                fmt(t["load"]),
+            ]
+            for i, (b, t) in enumerate(zip(base, ts))
+        ],
+    )
 
     def med_of_medians(side: list[dict]) -> float:
         return median([r["median_ms"] for r in side if r["median_ms"] is not None])
@@ -169,11 +255,19 @@ def main() -> int:
     cpu_b = [r["cpu_ms"] for r in base if r["cpu_ms"]]
     cpu_t = [r["cpu_ms"] for r in ts if r["cpu_ms"]]
     if cpu_b and cpu_t:
-        summary.append(["CPU ms per step, all processes (median of runs)", fmt(median(cpu_b), 2),
-                        fmt(median(cpu_t), 2), fmt(median(cpu_t) / median(cpu_b), 4)])
+        summary.append(
+            [
+                "CPU ms per step, all processes (median of runs)",
+                fmt(median(cpu_b), 2),
+                fmt(median(cpu_t), 2),
+                fmt(median(cpu_t) / median(cpu_b), 4),
+            ]
+        )
         summary.append(["median of per-pair CPU ratios", "", "", fmt(median(cpu_pairs), 4)])
         clo, chi = bootstrap_median_ci(cpu_pairs)
-        summary.append(["median of per-pair CPU ratios, 95 % bootstrap interval", "", "", f"{fmt(clo, 4)} - {fmt(chi, 4)}"])
+        summary.append(
+            ["median of per-pair CPU ratios, 95 % bootstrap interval", "", "", f"{fmt(clo, 4)} - {fmt(chi, 4)}"]
+        )
     lo, hi = bootstrap_median_ci(pair_ratios)
     summary.append(["median of per-pair ratios, 95 % bootstrap interval", "", "", f"{fmt(lo, 4)} - {fmt(hi, 4)}"])
     print()
@@ -181,8 +275,10 @@ def main() -> int:
     print(f"uptime after: {up_after}")
     pr = median(pair_ratios)
     verdict = ("within" if hi <= BAR else "OVER" if lo > BAR else "not shown within") if pair_ratios else "-"
-    headline = (f"{100 * (pr - 1):+.2f} % (95 % interval {100 * (lo - 1):+.2f} to {100 * (hi - 1):+.2f} %), "
-                f"{verdict} the 1 % bar")
+    headline = (
+        f"{100 * (pr - 1):+.2f} % (95 % interval {100 * (lo - 1):+.2f} to {100 * (hi - 1):+.2f} %), "
+        f"{verdict} the 1 % bar"
+    )
     print(f"overhead (median of per-pair ratios): {headline}")
     if cpu_b and cpu_t:
         print(f"CPU per step, all processes: {100 * (median(cpu_t) / median(cpu_b) - 1):+.2f} %")
@@ -190,19 +286,24 @@ def main() -> int:
     findings = [(r["run_id"], r["findings"]) for r in ts if r["findings"]]
     failed = [r["run_id"] for r in rows if r["code"] != 0 or not r["steps"]]
     not_quiet = f"(**never dropped below {args.load_below:g} within {args.max_wait:g} s; ran anyway**)"
-    body = [f"- load: waited {waited:.0f} s for 1-min load < {args.load_below:g}; started at {start_load:.2f} "
-            + ("" if quiet else not_quiet),
-            f"- uptime before `{up_before}`; after `{up_after}`",
-            f"- {args.pairs} interleaved pairs, {args.nproc} ranks, {args.steps} steps, first {args.warmup} steps "
-            f"ignored; step time from rank 0; run dirs under `<out-dir>`",
-            f"- env: trainscout side {ts_env or 'defaults'}; baseline side {base_env or 'defaults'}",
-            f"- overhead (median of per-pair ratios): **{headline}**; median of run medians "
-            f"{100 * (mt / mb - 1):+.2f} %",
-            "- CPU per step: CPU seconds of the whole process tree (ranks, torchrun, and on the trainscout side the "
-            "supervisor, agent and coordinator) between rank 0's first logged step after the warm-up and its last "
-            "logged step, divided by the steps in between"
-            + (f": **{100 * (median(cpu_t) / median(cpu_b) - 1):+.2f} %**" if cpu_b and cpu_t else ": not measured"),
-            "", markdown_table(header, summary), "", per_run, ""]
+    body = [
+        f"- load: waited {waited:.0f} s for 1-min load < {args.load_below:g}; started at {start_load:.2f} "
+        + ("" if quiet else not_quiet),
+        f"- uptime before `{up_before}`; after `{up_after}`",
+        f"- {args.pairs} interleaved pairs, {args.nproc} ranks, {args.steps} steps, first {args.warmup} steps "
+        f"ignored; step time from rank 0; run dirs under `<out-dir>`",
+        f"- env: trainscout side {ts_env or 'defaults'}; baseline side {base_env or 'defaults'}",
+        f"- overhead (median of per-pair ratios): **{headline}**; median of run medians {100 * (mt / mb - 1):+.2f} %",
+        "- CPU per step: CPU seconds of the whole process tree (ranks, torchrun, and on the trainscout side the "
+        "supervisor, agent and coordinator) between rank 0's first logged step after the warm-up and its last "
+        "logged step, divided by the steps in between"
+        + (f": **{100 * (median(cpu_t) / median(cpu_b) - 1):+.2f} %**" if cpu_b and cpu_t else ": not measured"),
+        "",
+        markdown_table(header, summary),
+        "",
+        per_run,
+        "",
+    ]
     if findings:
         body.append(f"**Findings on healthy trainscout runs:** {findings}")
     if failed:

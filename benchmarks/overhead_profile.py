@@ -29,8 +29,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, begin, REPO, append_results, command_line, fmt, free_port, load1,  # noqa: E402
-                     markdown_table, median, text_table, uptime)
+from _common import (
+    PYTHON,
+    begin,
+    REPO,
+    append_results,
+    command_line,
+    fmt,
+    free_port,
+    load1,  # noqa: E402
+    markdown_table,
+    median,
+    text_table,
+    uptime,
+)
 
 PY_SPY = str(Path(PYTHON).parent / "py-spy")
 CLK = os.sysconf("SC_CLK_TCK")
@@ -99,10 +111,39 @@ def _role(pid: int, root: int) -> str:
 def run_once(side: str, args: argparse.Namespace, out: Path) -> dict:
     run_id = f"prof-{side}"
     timing = out / f"{run_id}.steps.txt"
-    job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           "-m", "trainscout.demo.train", "--steps", str(args.steps), "--timing-file", str(timing)]
-    cmd = job if side == "base" else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir",
-                                      str(out), "--run-id", run_id, "--", *job]
+    job = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        str(args.steps),
+        "--timing-file",
+        str(timing),
+    ]
+    cmd = (
+        job
+        if side == "base"
+        else [
+            PYTHON,
+            "-m",
+            "trainscout",
+            "run",
+            "--console",
+            "plain",
+            "--run-dir",
+            str(out),
+            "--run-id",
+            run_id,
+            "--",
+            *job,
+        ]
+    )
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(args.base_env if side == "base" else args.trainscout_env))
     load_before = load1()
     log = open(out / f"{run_id}.out", "w")
@@ -122,9 +163,24 @@ def run_once(side: str, args: argparse.Namespace, out: Path) -> dict:
                 roles[pid] = role
             cpu[pid] = value
             if spy is None and roles[pid] == f"rank {args.profile_rank}" and not args.no_py_spy:
-                spy = subprocess.Popen([PY_SPY, "record", "--nonblocking", "--threads", "--format", "raw",
-                                        "--rate", str(args.rate), "--pid", str(pid), "--output", str(raw)],
-                                       stdout=subprocess.DEVNULL, stderr=open(out / f"{run_id}.pyspy.err", "w"))
+                spy = subprocess.Popen(
+                    [
+                        PY_SPY,
+                        "record",
+                        "--nonblocking",
+                        "--threads",
+                        "--format",
+                        "raw",
+                        "--rate",
+                        str(args.rate),
+                        "--pid",
+                        str(pid),
+                        "--output",
+                        str(raw),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(out / f"{run_id}.pyspy.err", "w"),
+                )
         time.sleep(0.2)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -138,11 +194,17 @@ def run_once(side: str, args: argparse.Namespace, out: Path) -> dict:
     by_role: dict[str, float] = collections.defaultdict(float)
     for pid, value in cpu.items():
         by_role[roles[pid]] += value
-    steps = [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] \
-        if timing.exists() else []
-    return {"side": side, "code": proc.returncode, "load": load_before, "cpu": dict(by_role),
-            "median_ms": 1000 * median(steps[20:]) if len(steps) > 20 else None,
-            "profile": analyse(raw) if raw.exists() else None}
+    steps = (
+        [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] if timing.exists() else []
+    )
+    return {
+        "side": side,
+        "code": proc.returncode,
+        "load": load_before,
+        "cpu": dict(by_role),
+        "median_ms": 1000 * median(steps[20:]) if len(steps) > 20 else None,
+        "profile": analyse(raw) if raw.exists() else None,
+    }
 
 
 _OURS = re.compile(r"\((?:\S*/)?trainscout/(?!demo/)")  # probe, fingerprint, faults: not the demo job
@@ -173,8 +235,9 @@ def analyse(path: Path) -> dict:
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
             rows.append((stack.split(";"), int(count)))
-    main_tid = next((frames[0] for frames, _ in rows
-                     if any(f.startswith("train (") and "demo/train.py" in f for f in frames)), None)
+    main_tid = next(
+        (frames[0] for frames, _ in rows if any(f.startswith("train (") and "demo/train.py" in f for f in frames)), None
+    )
     main_total = main_probe = other_total = 0
     probe_funcs: collections.Counter = collections.Counter()
     other_funcs: collections.Counter = collections.Counter()
@@ -188,8 +251,13 @@ def analyse(path: Path) -> dict:
         else:
             other_total += n
             other_funcs[_short(ours[-1] if ours else frames[-1])] += n
-    return {"main_total": main_total, "main_probe": main_probe, "other_total": other_total,
-            "probe_funcs": probe_funcs.most_common(10), "other_funcs": other_funcs.most_common(6)}
+    return {
+        "main_total": main_total,
+        "main_probe": main_probe,
+        "other_total": other_total,
+        "probe_funcs": probe_funcs.most_common(10),
+        "other_funcs": other_funcs.most_common(6),
+    }
 
 
 def _short(frame: str) -> str:
@@ -211,10 +279,20 @@ def main() -> int:
     parser.add_argument("--profile-rank", type=int, default=0)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--only-trainscout", action="store_true")
-    parser.add_argument("--base-env", action="append", default=[], metavar="K=V",
-                        help="e.g. TORCH_FR_BUFFER_SIZE=2000: the Flight Recorder's own cost, without trainscout")
-    parser.add_argument("--trainscout-env", action="append", default=[], metavar="K=V",
-                        help="e.g. TRAINSCOUT_PROBE_TICK_S=1.0 or TRAINSCOUT_STATE_CHECK=0")
+    parser.add_argument(
+        "--base-env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="e.g. TORCH_FR_BUFFER_SIZE=2000: the Flight Recorder's own cost, without trainscout",
+    )
+    parser.add_argument(
+        "--trainscout-env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="e.g. TRAINSCOUT_PROBE_TICK_S=1.0 or TRAINSCOUT_STATE_CHECK=0",
+    )
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--timeout", type=float, default=400.0)
     parser.add_argument("--out-dir", type=Path, default=None)
@@ -222,8 +300,9 @@ def main() -> int:
     args = parser.parse_args()
     args.base_env, args.trainscout_env = _env(args.base_env), _env(args.trainscout_env)
     out, info, up_before = begin("overhead-profile", args.out_dir)
-    results = [run_once(side, args, out) for side in ((("trainscout",) if args.only_trainscout
-                                                       else ("base", "trainscout")))]
+    results = [
+        run_once(side, args, out) for side in (("trainscout",) if args.only_trainscout else ("base", "trainscout"))
+    ]
     up_after = uptime()
     (out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
 
@@ -234,31 +313,52 @@ def main() -> int:
     cpu_rows.append(["median step ms (rank 0)"] + [fmt(res["median_ms"], 2) for res in results])
     cpu_rows.append(["1-min load at start"] + [fmt(res["load"], 2) for res in results])
     lines = [text_table(cpu_header, cpu_rows)]
-    md = [f"- load: before `{up_before}`; after `{up_after}`", f"- {args.steps} steps; run dirs under `<out-dir>`",
-          f"- env: baseline {args.base_env or 'defaults'}; trainscout {args.trainscout_env or 'defaults'}",
-          "", markdown_table(cpu_header, cpu_rows), ""]
+    md = [
+        f"- load: before `{up_before}`; after `{up_after}`",
+        f"- {args.steps} steps; run dirs under `<out-dir>`",
+        f"- env: baseline {args.base_env or 'defaults'}; trainscout {args.trainscout_env or 'defaults'}",
+        "",
+        markdown_table(cpu_header, cpu_rows),
+        "",
+    ]
     for res in results:
         p = res["profile"]
         if not p:
             continue
         total = p["main_total"] + p["other_total"]
-        head = (f"py-spy, rank {args.profile_rank}, {res['side']} side: {total} on-CPU samples; training thread "
-                f"{p['main_total']} of which probe work {p['main_probe']} "
-                f"({100 * p['main_probe'] / max(p['main_total'], 1):.1f} %); other threads {p['other_total']} "
-                f"({100 * p['other_total'] / max(total, 1):.1f} % of all)")
+        head = (
+            f"py-spy, rank {args.profile_rank}, {res['side']} side: {total} on-CPU samples; training thread "
+            f"{p['main_total']} of which probe work {p['main_probe']} "
+            f"({100 * p['main_probe'] / max(p['main_total'], 1):.1f} %); other threads {p['other_total']} "
+            f"({100 * p['other_total'] / max(total, 1):.1f} % of all)"
+        )
         lines += ["", head, "  probe work on the training thread (innermost trainscout frame):"]
         lines += [f"    {n:6d}  {name}" for name, n in p["probe_funcs"]]
         lines += ["  other threads (innermost trainscout frame, else leaf):"]
         lines += [f"    {n:6d}  {name}" for name, n in p["other_funcs"]]
-        md += [f"- {head}", "",
-               markdown_table(["samples", "probe work on the training thread (innermost trainscout frame)"],
-                              [[str(n), f"`{name}`"] for name, n in p["probe_funcs"]]), "",
-               markdown_table(["samples", "other threads (innermost trainscout frame, else leaf)"],
-                              [[str(n), f"`{name}`"] for name, n in p["other_funcs"]]), ""]
+        md += [
+            f"- {head}",
+            "",
+            markdown_table(
+                ["samples", "probe work on the training thread (innermost trainscout frame)"],
+                [[str(n), f"`{name}`"] for name, n in p["probe_funcs"]],
+            ),
+            "",
+            markdown_table(
+                ["samples", "other threads (innermost trainscout frame, else leaf)"],
+                [[str(n), f"`{name}`"] for name, n in p["other_funcs"]],
+            ),
+            "",
+        ]
     print("\n".join(lines))
     print(f"uptime after: {up_after}")
     if not args.no_record:
-        append_results("Overhead breakdown (benchmarks/overhead_profile.py)", info, command_line().replace(str(out), "<out-dir>"), "\n".join(md))
+        append_results(
+            "Overhead breakdown (benchmarks/overhead_profile.py)",
+            info,
+            command_line().replace(str(out), "<out-dir>"),
+            "\n".join(md),
+        )
     return 0
 
 

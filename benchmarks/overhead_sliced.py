@@ -38,8 +38,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, REPO, append_results, begin, bootstrap_median_ci, command_line, fmt,  # noqa: E402
-                     free_port, markdown_table, median, parse_env, read_jsonl, uptime)
+from _common import (
+    PYTHON,
+    REPO,
+    append_results,
+    begin,
+    bootstrap_median_ci,
+    command_line,
+    fmt,  # noqa: E402
+    free_port,
+    markdown_table,
+    median,
+    parse_env,
+    read_jsonl,
+    uptime,
+)
 
 BAR = 1.01
 
@@ -54,15 +67,46 @@ class Job:
         self.log = out / f"{self.run_id}.out"
         self.run_dir = out / self.run_id
         self.stop_file = out / f"{self.run_id}.stop"
-        job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
-               str(free_port()), "-m", "trainscout.demo.train", "--steps", str(args.steps),
-               "--timing-file", str(self.timing), "--stop-file", str(self.stop_file)]
-        cmd = job if side == "base" else [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir",
-                                          str(out), "--run-id", self.run_id, "--", *job]
+        job = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(args.nproc),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "trainscout.demo.train",
+            "--steps",
+            str(args.steps),
+            "--timing-file",
+            str(self.timing),
+            "--stop-file",
+            str(self.stop_file),
+        ]
+        cmd = (
+            job
+            if side == "base"
+            else [
+                PYTHON,
+                "-m",
+                "trainscout",
+                "run",
+                "--console",
+                "plain",
+                "--run-dir",
+                str(out),
+                "--run-id",
+                self.run_id,
+                "--",
+                *job,
+            ]
+        )
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
         self._log_fh = open(self.log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True
+        )
         self.frozen: list = []
 
     def tree(self) -> list:
@@ -146,8 +190,12 @@ def _role(cmdline: list[str]) -> str:
     module = next((cmdline[i + 1] for i, arg in enumerate(cmdline[:-1]) if arg == "-m"), "")
     if module == "trainscout":
         return "supervisor"
-    return {"trainscout.demo.train": "ranks", "trainscout.agent": "agent", "trainscout.coordinator": "coordinator",
-            "torch.distributed.run": "torchrun"}.get(module, "other")
+    return {
+        "trainscout.demo.train": "ranks",
+        "trainscout.agent": "agent",
+        "trainscout.coordinator": "coordinator",
+        "torch.distributed.run": "torchrun",
+    }.get(module, "other")
 
 
 def slice_stats(steps: list[tuple[float, float]], t0: float, t1: float, settle: int) -> tuple[float | None, int]:
@@ -163,14 +211,15 @@ def neighbour_ratios(a_vals: list[float | None], b_vals: list[float | None]) -> 
     """B slice k against the mean of A slices k and k+1 (A runs first, then B, alternating)."""
     out = []
     for k, b in enumerate(b_vals):
-        around = [a for a in a_vals[k:k + 2] if a]
+        around = [a for a in a_vals[k : k + 2] if a]
         if b and len(around) == 2:
             out.append(b / (sum(around) / 2))
     return out
 
 
-def block_bootstrap_median_ci(values: list[float], block: int = 5, rounds: int = 4000,
-                              seed: int = 0) -> tuple[float, float]:
+def block_bootstrap_median_ci(
+    values: list[float], block: int = 5, rounds: int = 4000, seed: int = 0
+) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")
     rng = random.Random(seed)
@@ -182,7 +231,7 @@ def block_bootstrap_median_ci(values: list[float], block: int = 5, rounds: int =
         sample: list[float] = []
         while len(sample) < n:
             s = rng.choice(starts)
-            sample.extend(values[s:s + block])
+            sample.extend(values[s : s + block])
         meds.append(median(sample[:n]))
     meds.sort()
     return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
@@ -234,28 +283,45 @@ def run_pair(index: int, args: argparse.Namespace, out: Path, a_env: dict, b_env
     # the pairing assumes A came first and sides alternated; an unfinished last A leaves B's last slice out
     ratios = neighbour_ratios([m for m, _ in per["a"]], [m for m, _ in per["b"]])
     cpu_ratios = neighbour_ratios([c for _, c in per["a"]], [c for _, c in per["b"]])
-    findings = [(f.get("kind"), f.get("culprit_ranks")) for j in (a, b) if j.side == "trainscout"
-                for f in read_jsonl(j.run_dir / "findings.jsonl")]
+    findings = [
+        (f.get("kind"), f.get("culprit_ranks"))
+        for j in (a, b)
+        if j.side == "trainscout"
+        for f in read_jsonl(j.run_dir / "findings.jsonl")
+    ]
     with (out / "slices.jsonl").open("a") as fh:
         for job, t0, t1, cpu in slices:
             fh.write(json.dumps({"pair": index, "side": job.label, "t0": t0, "t1": t1, "cpu_s_by_role": cpu}) + "\n")
-    return {"index": index, "codes": codes, "findings": findings, "slices": len(slices),
-            "ratio": median(ratios) if ratios else None, "cpu_ratio": median(cpu_ratios) if cpu_ratios else None,
-            "slice_ratios": ratios, "median_ms": {k: 1000 * median(v) if v else None for k, v in inside.items()},
-            "steps": {k: len(v) for k, v in inside.items()},
-            "cpu_ms_by_role": {k: {r: 1000 * sec / ended_in[k] for r, sec in roles[k].items()} if ended_in[k] else {}
-                               for k in ("a", "b")}}
+    return {
+        "index": index,
+        "codes": codes,
+        "findings": findings,
+        "slices": len(slices),
+        "ratio": median(ratios) if ratios else None,
+        "cpu_ratio": median(cpu_ratios) if cpu_ratios else None,
+        "slice_ratios": ratios,
+        "median_ms": {k: 1000 * median(v) if v else None for k, v in inside.items()},
+        "steps": {k: len(v) for k, v in inside.items()},
+        "cpu_ms_by_role": {
+            k: {r: 1000 * sec / ended_in[k] for r, sec in roles[k].items()} if ended_in[k] else {} for k in ("a", "b")
+        },
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=6, help="pairs of fresh jobs, one after the other (default 6)")
-    parser.add_argument("--seconds", type=float, default=120.0,
-                        help="sliced time per pair (both sides together; default 120)")
+    parser.add_argument(
+        "--seconds", type=float, default=120.0, help="sliced time per pair (both sides together; default 120)"
+    )
     parser.add_argument("--slice", type=float, default=1.0, help="seconds one side runs before the other does")
     parser.add_argument("--settle", type=int, default=2, help="steps dropped at the start of each slice")
-    parser.add_argument("--steps", type=int, default=100_000,
-                        help="most steps per job; both are told to stop (--stop-file) when the slicing ends")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=100_000,
+        help="most steps per job; both are told to stop (--stop-file) when the slicing ends",
+    )
     parser.add_argument("--warmup", type=int, default=40, help="logged step both jobs reach before slicing")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--a", default="base", choices=("base", "trainscout"), help="side A (default base)")
@@ -278,9 +344,12 @@ def main() -> int:
         pairs.append(row)
         with (out / "pairs.jsonl").open("a") as fh:
             fh.write(json.dumps({k: v for k, v in row.items() if k != "slice_ratios"}) + "\n")
-        print(f"pair {i}: step-time ratio {fmt(row['ratio'], 4)}, CPU ratio {fmt(row['cpu_ratio'], 4)} over "
-              f"{row['slices']} slices; exits {row['codes']}" + (f"; findings {row['findings']}" if row["findings"] else ""),
-              flush=True)
+        print(
+            f"pair {i}: step-time ratio {fmt(row['ratio'], 4)}, CPU ratio {fmt(row['cpu_ratio'], 4)} over "
+            f"{row['slices']} slices; exits {row['codes']}"
+            + (f"; findings {row['findings']}" if row["findings"] else ""),
+            flush=True,
+        )
     up_after = uptime()
 
     ratios = [p["ratio"] for p in pairs if p["ratio"]]
@@ -289,40 +358,85 @@ def main() -> int:
     clo, chi = bootstrap_median_ci(cpu_ratios)
     pooled = [r for p in pairs for r in p["slice_ratios"]]
     plo, phi = block_bootstrap_median_ci(pooled)
-    name = {"a": f"A ({args.a}{' ' + str(a_env) if a_env else ''})",
-            "b": f"B ({args.b}{' ' + str(b_env) if b_env else ''})"}
+    name = {
+        "a": f"A ({args.a}{' ' + str(a_env) if a_env else ''})",
+        "b": f"B ({args.b}{' ' + str(b_env) if b_env else ''})",
+    }
     per_pair = markdown_table(
-        ["pair", "A median step ms", "B median step ms", "step-time ratio (median of slices)", "CPU ratio",
-         "slices", "A CPU ms/step by process", "B CPU ms/step by process"],
-        [[str(p["index"]), fmt(p["median_ms"]["a"], 3), fmt(p["median_ms"]["b"], 3), fmt(p["ratio"], 4),
-          fmt(p["cpu_ratio"], 4), str(p["slices"]),
-          ", ".join(f"{r} {v:.2f}" for r, v in sorted(p["cpu_ms_by_role"]["a"].items())),
-          ", ".join(f"{r} {v:.2f}" for r, v in sorted(p["cpu_ms_by_role"]["b"].items()))] for p in pairs])
+        [
+            "pair",
+            "A median step ms",
+            "B median step ms",
+            "step-time ratio (median of slices)",
+            "CPU ratio",
+            "slices",
+            "A CPU ms/step by process",
+            "B CPU ms/step by process",
+        ],
+        [
+            [
+                str(p["index"]),
+                fmt(p["median_ms"]["a"], 3),
+                fmt(p["median_ms"]["b"], 3),
+                fmt(p["ratio"], 4),
+                fmt(p["cpu_ratio"], 4),
+                str(p["slices"]),
+                ", ".join(f"{r} {v:.2f}" for r, v in sorted(p["cpu_ms_by_role"]["a"].items())),
+                ", ".join(f"{r} {v:.2f}" for r, v in sorted(p["cpu_ms_by_role"]["b"].items())),
+            ]
+            for p in pairs
+        ],
+    )
     verdict = ("within" if hi <= BAR else "OVER" if lo > BAR else "not shown within") if ratios else "-"
-    headline = (f"{100 * (median(ratios) - 1):+.2f} % (95 % interval over pairs {100 * (lo - 1):+.2f} to "
-                f"{100 * (hi - 1):+.2f} %), {verdict} the 1 % bar") if ratios else "no ratios"
-    cpu_line = (f"{100 * (median(cpu_ratios) - 1):+.2f} % (95 % interval over pairs {100 * (clo - 1):+.2f} to "
-                f"{100 * (chi - 1):+.2f} %)") if cpu_ratios else "not measured"
-    pooled_line = (f"{100 * (median(pooled) - 1):+.2f} % (block bootstrap {100 * (plo - 1):+.2f} to "
-                   f"{100 * (phi - 1):+.2f} %, {len(pooled)} slice ratios)") if pooled else "-"
-    print(f"\n{per_pair}\n\nB vs A, median step time: {headline}\nB vs A, CPU per step: {cpu_line}\n"
-          f"all slices pooled: {pooled_line}\nuptime after: {up_after}")
+    headline = (
+        (
+            f"{100 * (median(ratios) - 1):+.2f} % (95 % interval over pairs {100 * (lo - 1):+.2f} to "
+            f"{100 * (hi - 1):+.2f} %), {verdict} the 1 % bar"
+        )
+        if ratios
+        else "no ratios"
+    )
+    cpu_line = (
+        (
+            f"{100 * (median(cpu_ratios) - 1):+.2f} % (95 % interval over pairs {100 * (clo - 1):+.2f} to "
+            f"{100 * (chi - 1):+.2f} %)"
+        )
+        if cpu_ratios
+        else "not measured"
+    )
+    pooled_line = (
+        (
+            f"{100 * (median(pooled) - 1):+.2f} % (block bootstrap {100 * (plo - 1):+.2f} to "
+            f"{100 * (phi - 1):+.2f} %, {len(pooled)} slice ratios)"
+        )
+        if pooled
+        else "-"
+    )
+    print(
+        f"\n{per_pair}\n\nB vs A, median step time: {headline}\nB vs A, CPU per step: {cpu_line}\n"
+        f"all slices pooled: {pooled_line}\nuptime after: {up_after}"
+    )
     failed = [(p["index"], p["codes"]) for p in pairs if any(c != 0 for c in p["codes"].values())]
     findings = [(p["index"], p["findings"]) for p in pairs if p["findings"]]
-    body = [f"- sides: {name['a']} vs {name['b']}; {args.nproc} ranks; {args.pairs} pairs of fresh jobs, each "
-            f"sliced {args.seconds:g} s in {args.slice:g} s slices after both logged step {args.warmup}; first "
-            f"{args.settle} steps of a slice dropped; step time from rank 0; run dirs under `<out-dir>`",
-            f"- uptime before `{up_before}`; after `{up_after}`",
-            f"- **B vs A, median step time: {headline}**",
-            f"- B vs A, CPU per step (whole process tree): {cpu_line}",
-            f"- all slices of all pairs pooled (ignores the pairs' own offsets): {pooled_line}",
-            "", per_pair, "",
-            f"- findings on the trainscout side(s): {findings or 'none'}"]
+    body = [
+        f"- sides: {name['a']} vs {name['b']}; {args.nproc} ranks; {args.pairs} pairs of fresh jobs, each "
+        f"sliced {args.seconds:g} s in {args.slice:g} s slices after both logged step {args.warmup}; first "
+        f"{args.settle} steps of a slice dropped; step time from rank 0; run dirs under `<out-dir>`",
+        f"- uptime before `{up_before}`; after `{up_after}`",
+        f"- **B vs A, median step time: {headline}**",
+        f"- B vs A, CPU per step (whole process tree): {cpu_line}",
+        f"- all slices of all pairs pooled (ignores the pairs' own offsets): {pooled_line}",
+        "",
+        per_pair,
+        "",
+        f"- findings on the trainscout side(s): {findings or 'none'}",
+    ]
     if failed:
         body.append(f"- **pairs with a failed job: {failed}**")
     if not args.no_record:
-        title = "Healthy-path overhead, time-sliced (benchmarks/overhead_sliced.py)" + \
-            (f": {args.label}" if args.label else "")
+        title = "Healthy-path overhead, time-sliced (benchmarks/overhead_sliced.py)" + (
+            f": {args.label}" if args.label else ""
+        )
         append_results(title, info, command_line().replace(str(out), "<out-dir>"), "\n".join(body))
     return 0 if not failed else 1
 

@@ -30,8 +30,14 @@ from _common import append_results, begin, command_line, fmt, free_port, markdow
 def start_probe() -> object:
     """What the bootstrap does in a rank, before torch is imported (the patches are post-import hooks)."""
     run_id = f"probecost-{os.getpid()}"
-    os.environ.update(TRAINSCOUT_RUN_ID=run_id, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(
+        TRAINSCOUT_RUN_ID=run_id,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")  # as `trainscout run` sets it
     from trainscout.probe import probe
 
@@ -91,13 +97,18 @@ def set_probe(on: bool, found, hook_tables, saved: list, parts=PARTS) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=20,
-                        help="rounds; each runs a block with the probe off, on, and (--parts) each part alone, "
-                             "in random order (default 20)")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=20,
+        help="rounds; each runs a block with the probe off, on, and (--parts) each part alone, "
+        "in random order (default 20)",
+    )
     parser.add_argument("--block-steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--parts", action="store_true",
-                        help="also each group of patches alone against none: " + ", ".join(PARTS))
+    parser.add_argument(
+        "--parts", action="store_true", help="also each group of patches alone against none: " + ", ".join(PARTS)
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true")
@@ -121,8 +132,9 @@ def main() -> int:
     model = DistributedDataParallel(TinyGPT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = ArithmeticTokens(size=4096, seq=cfg.seq, vocab=cfg.vocab, seed=0)
-    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, 1, 0, shuffle=True, seed=0),
-                        num_workers=0, drop_last=True)
+    loader = DataLoader(
+        data, batch_size=8, sampler=DistributedSampler(data, 1, 0, shuffle=True, seed=0), num_workers=0, drop_last=True
+    )
     it = batches(loader, loader.sampler)
 
     def step() -> float:
@@ -170,21 +182,32 @@ def main() -> int:
         boot = sorted(median(rng.choices(diffs, k=len(diffs))) for _ in range(4000))
         lo, hi = boot[100], boot[3899]
         label = "the probe's cost a step" if what == "all" else f"{what} patches alone"
-        rows.append([label + " (median over rounds of on - off)", fmt(median(diffs), 1), "us",
-                     f"{100 * median(diffs) / off_us:+.2f} % of {off_us:.0f} us (95 %: {lo:+.1f} to {hi:+.1f} us)"])
-    for name, sec in (("non-finite check", costs.get("nonfinite", {}).get("seconds")),
-                      ("state check", costs.get("state_check", {}).get("seconds")),
-                      ("replay", costs.get("replay", {}).get("seconds"))):
+        rows.append(
+            [
+                label + " (median over rounds of on - off)",
+                fmt(median(diffs), 1),
+                "us",
+                f"{100 * median(diffs) / off_us:+.2f} % of {off_us:.0f} us (95 %: {lo:+.1f} to {hi:+.1f} us)",
+            ]
+        )
+    for name, sec in (
+        ("non-finite check", costs.get("nonfinite", {}).get("seconds")),
+        ("state check", costs.get("state_check", {}).get("seconds")),
+        ("replay", costs.get("replay", {}).get("seconds")),
+    ):
         if sec is not None and costs.get("steps"):
             rows.append([f"of which {name} (probe's own accounting)", fmt(1e6 * sec / costs["steps"], 1), "us", ""])
     table = markdown_table(["what", "value", "unit", "note"], rows)
     print(table)
     if not args.no_record:
-        body = (f"- 1 rank (gloo, world size 1), demo model, {args.blocks} rounds of {args.block_steps}-step blocks "
-                f"per configuration in random order, first 2 steps of a block dropped; uptime before `{up_before}`, done "
-                f"{up_after}\n\n{table}\n")
-        title = "Probe cost on the training thread, in-process A/B (benchmarks/probe_cost.py)" + \
-            (f": {args.label}" if args.label else "")
+        body = (
+            f"- 1 rank (gloo, world size 1), demo model, {args.blocks} rounds of {args.block_steps}-step blocks "
+            f"per configuration in random order, first 2 steps of a block dropped; uptime before `{up_before}`, done "
+            f"{up_after}\n\n{table}\n"
+        )
+        title = "Probe cost on the training thread, in-process A/B (benchmarks/probe_cost.py)" + (
+            f": {args.label}" if args.label else ""
+        )
         append_results(title, info, command_line().replace(str(out), "<out-dir>"), body)
     return 0
 

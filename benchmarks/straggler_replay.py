@@ -53,9 +53,23 @@ def replay(events_path: str) -> list[tuple[list[int], int, str]] | None:
         det.current_step = step
         waits = rest[3] if per_step else {}
         for r, x in samples.items():
-            det.add(int(r), [StepRecord(step=step, wall_s=0.0, cpu_s=x, data_s=0.0, ckpt_s=0.0,
-                                        wait_s=float(waits.get(r, 0.0)), gpu_s=-1.0, gpu_wait_s=-1.0,
-                                        pg_wait={})], 0.0)
+            det.add(
+                int(r),
+                [
+                    StepRecord(
+                        step=step,
+                        wall_s=0.0,
+                        cpu_s=x,
+                        data_s=0.0,
+                        ckpt_s=0.0,
+                        wait_s=float(waits.get(r, 0.0)),
+                        gpu_s=-1.0,
+                        gpu_wait_s=-1.0,
+                        pg_wait={},
+                    )
+                ],
+                0.0,
+            )
         for f in det.update(0.0, {int(r) for r in samples}):
             found.append((f.culprit_ranks, f.step, f.evidence.get("basis") or "fast"))
     return found
@@ -76,13 +90,18 @@ def main() -> None:
             findings_path = os.path.join(run_dir, "findings.jsonl")
             if os.path.exists(findings_path):
                 with open(findings_path) as fh:
-                    live = [(f["culprit_ranks"], f["step"]) for f in map(json.loads, fh) if f["kind"] == "straggler"
-                            and f["evidence"].get("type") == "compute"]
+                    live = [
+                        (f["culprit_ranks"], f["step"])
+                        for f in map(json.loads, fh)
+                        if f["kind"] == "straggler" and f["evidence"].get("type") == "compute"
+                    ]
             total += 1
             same = [(r, s) for r, s, _ in got] == live
             changed += not same
-            print(f"{os.path.basename(run_dir)}: live {live} replay {[(r, s) for r, s, _ in got]}"
-                  f"{'' if same else '  <- differs'}")
+            print(
+                f"{os.path.basename(run_dir)}: live {live} replay {[(r, s) for r, s, _ in got]}"
+                f"{'' if same else '  <- differs'}"
+            )
     print(f"{total} runs replayed, {changed} differ from what was said live")
 
 

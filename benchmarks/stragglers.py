@@ -20,8 +20,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, append_results, begin, command_line, fmt, free_port, launch, markdown_table,  # noqa: E402
-                     median, read_jsonl, text_table, uptime)
+from _common import (
+    PYTHON,
+    append_results,
+    begin,
+    command_line,
+    fmt,
+    free_port,
+    launch,
+    markdown_table,  # noqa: E402
+    median,
+    read_jsonl,
+    text_table,
+    uptime,
+)
 
 # case -> (fault spec, rank, onset step, steps, expected type, extra demo-script arguments)
 CASES: dict[str, tuple[str, int, int, int, str, list[str]]] = {
@@ -30,8 +42,14 @@ CASES: dict[str, tuple[str, int, int, int, str, list[str]]] = {
     "compute 2x": ("straggle:rank=2:step=20:factor=1", 2, 20, 120, "compute", []),
     "communication +20 ms/op": ("commslow:rank=1:step=25:ms=20", 1, 25, 320, "communication", []),
     "data loader +150 ms/batch": ("dataslow:rank=3:step=10:ms=150", 3, 10, 60, "data_loading", []),
-    "checkpoint +300 ms/save": ("ckptslow:rank=1:step=5:ms=300", 1, 5, 90, "checkpoint_write",
-                                ["--checkpoint-every", "5"]),
+    "checkpoint +300 ms/save": (
+        "ckptslow:rank=1:step=5:ms=300",
+        1,
+        5,
+        90,
+        "checkpoint_write",
+        ["--checkpoint-every", "5"],
+    ),
     "intermittent 3x every 10th": ("straggle:rank=1:step=10:factor=2:every=10", 1, 10, 150, "compute", []),
 }
 
@@ -45,8 +63,10 @@ class StopWhenFound:
     def __call__(self, proc) -> None:
         if self.sent:
             return
-        if any(f.get("kind") == "straggler" and f.get("evidence", {}).get("type") == self.expected
-               for f in read_jsonl(self.path)):
+        if any(
+            f.get("kind") == "straggler" and f.get("evidence", {}).get("type") == self.expected
+            for f in read_jsonl(self.path)
+        ):
             proc.send_signal(signal.SIGINT)
             self.sent = True
 
@@ -58,12 +78,41 @@ def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
     fault_log.unlink(missing_ok=True)
     if "--checkpoint-every" in script_args:
         script_args = [*script_args, "--checkpoint-dir", str(out / run_id / "ckpt")]
-    cmd = [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir", str(out), "--run-id", run_id,
-           "--inject", spec, "--", PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", str(steps), *script_args]
+    cmd = [
+        PYTHON,
+        "-m",
+        "trainscout",
+        "run",
+        "--console",
+        "plain",
+        "--run-dir",
+        str(out),
+        "--run-id",
+        run_id,
+        "--inject",
+        spec,
+        "--",
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        str(steps),
+        *script_args,
+    ]
     findings_path = out / run_id / "findings.jsonl"
-    res = launch(cmd, out / f"{run_id}.out", env={"TRAINSCOUT_FAULT_LOG": str(fault_log)}, timeout_s=args.timeout,
-                 sampler=StopWhenFound(findings_path, expected))
+    res = launch(
+        cmd,
+        out / f"{run_id}.out",
+        env={"TRAINSCOUT_FAULT_LOG": str(fault_log)},
+        timeout_s=args.timeout,
+        sampler=StopWhenFound(findings_path, expected),
+    )
     fired = [e for e in read_jsonl(fault_log) if e.get("rank") == rank]
     findings = sorted(read_jsonl(findings_path), key=lambda f: f.get("confirmed", 0.0))
     mine = [f for f in findings if f.get("kind") == "straggler" and f.get("evidence", {}).get("type") == expected]
@@ -74,11 +123,21 @@ def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
         latency_s = mine[0]["confirmed"] - min(e["t"] for e in fired)
         latency_steps = mine[0].get("step", 0) - onset
     ev = mine[0].get("evidence", {}) if mine else {}
-    return {"case": case, "run_id": run_id, "code": res.code, "wall_s": round(res.wall_s, 1),
-            "load": round(res.load_before, 2), "timed_out": res.timed_out, "fired": bool(fired),
-            "latency_s": latency_s, "latency_steps": latency_steps, "correct": correct,
-            "ratio": ev.get("ratio"), "period": ev.get("period"),
-            "findings": [(f.get("kind"), f.get("evidence", {}).get("type"), f.get("culprit_ranks")) for f in findings]}
+    return {
+        "case": case,
+        "run_id": run_id,
+        "code": res.code,
+        "wall_s": round(res.wall_s, 1),
+        "load": round(res.load_before, 2),
+        "timed_out": res.timed_out,
+        "fired": bool(fired),
+        "latency_s": latency_s,
+        "latency_steps": latency_steps,
+        "correct": correct,
+        "ratio": ev.get("ratio"),
+        "period": ev.get("period"),
+        "findings": [(f.get("kind"), f.get("evidence", {}).get("type"), f.get("culprit_ranks")) for f in findings],
+    }
 
 
 def summarise(rows: list[dict], cases: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -89,10 +148,18 @@ def summarise(rows: list[dict], cases: list[str]) -> tuple[list[str], list[list[
         steps = [r["latency_steps"] for r in mine if r["latency_steps"] is not None]
         secs = [r["latency_s"] for r in mine if r["latency_s"] is not None]
         ratios = [r["period"] or r["ratio"] for r in mine if (r["period"] or r["ratio"]) is not None]
-        table.append([case, str(len(mine)), f"{sum(r['correct'] for r in mine)}/{len(mine)}",
-                      fmt(median(steps) if steps else None, 1), fmt(max(steps) if steps else None, 0),
-                      fmt(median(secs) if secs else None), fmt(max(secs) if secs else None),
-                      fmt(median(ratios) if ratios else None)])
+        table.append(
+            [
+                case,
+                str(len(mine)),
+                f"{sum(r['correct'] for r in mine)}/{len(mine)}",
+                fmt(median(steps) if steps else None, 1),
+                fmt(max(steps) if steps else None, 0),
+                fmt(median(secs) if secs else None),
+                fmt(max(secs) if secs else None),
+                fmt(median(ratios) if ratios else None),
+            ]
+        )
     return header, table
 
 
@@ -117,29 +184,42 @@ def main() -> int:
             rows.append(row)
             with raw.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"{row['run_id']} [{case}]: {fmt(row['latency_steps'], 0)} steps, {fmt(row['latency_s'])} s, "
-                  f"correct={row['correct']}, findings={row['findings']}, load {row['load']}", flush=True)
+            print(
+                f"{row['run_id']} [{case}]: {fmt(row['latency_steps'], 0)} steps, {fmt(row['latency_s'])} s, "
+                f"correct={row['correct']}, findings={row['findings']}, load {row['load']}",
+                flush=True,
+            )
     up_after = uptime()
     header, table = summarise(rows, cases)
     print()
     print(text_table(header, table))
     loads = [r["load"] for r in rows]
     wrong = [r for r in rows if not r["correct"] or r["timed_out"]]
-    body = [f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
-            f"{fmt(median(loads))}, max {fmt(max(loads))}",
-            f"- {args.runs} runs per case, round-robin; run dirs under `<out-dir>`",
-            "- latency in steps = the finding's step − the step the slowdown started; in seconds = its "
-            "`confirmed` − the fault's `t` (TRAINSCOUT_FAULT_LOG); ratio = the slowdown the finding estimates "
-            "(compute: x its peers; communication: its best exchange over its peers'); period for intermittent",
-            "", markdown_table(header, table), ""]
+    body = [
+        f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
+        f"{fmt(median(loads))}, max {fmt(max(loads))}",
+        f"- {args.runs} runs per case, round-robin; run dirs under `<out-dir>`",
+        "- latency in steps = the finding's step − the step the slowdown started; in seconds = its "
+        "`confirmed` − the fault's `t` (TRAINSCOUT_FAULT_LOG); ratio = the slowdown the finding estimates "
+        "(compute: x its peers; communication: its best exchange over its peers'); period for intermittent",
+        "",
+        markdown_table(header, table),
+        "",
+    ]
     if wrong:
         body += ["Runs that were wrong or timed out:", ""]
-        body += [f"- `{r['run_id']}` [{r['case']}]: exit {r['code']}, timed out {r['timed_out']}, findings "
-                 f"{r['findings']}" for r in wrong]
+        body += [
+            f"- `{r['run_id']}` [{r['case']}]: exit {r['code']}, timed out {r['timed_out']}, findings {r['findings']}"
+            for r in wrong
+        ]
         body.append("")
     if not args.no_record:
-        append_results("Straggler detection latency (benchmarks/stragglers.py)", info,
-                       command_line().replace(str(out), "<out-dir>"), "\n".join(body))
+        append_results(
+            "Straggler detection latency (benchmarks/stragglers.py)",
+            info,
+            command_line().replace(str(out), "<out-dir>"),
+            "\n".join(body),
+        )
     print(f"raw rows: {raw}")
     return 0
 

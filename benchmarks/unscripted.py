@@ -28,8 +28,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, append_results, begin, command_line, fmt, free_port, launch, markdown_table,  # noqa: E402
-                     median, read_jsonl, text_table, uptime)
+from _common import (
+    PYTHON,
+    append_results,
+    begin,
+    command_line,
+    fmt,
+    free_port,
+    launch,
+    markdown_table,  # noqa: E402
+    median,
+    read_jsonl,
+    text_table,
+    uptime,
+)
 
 ONSET = 60
 RANK = 2
@@ -54,7 +66,12 @@ CASES: dict[str, tuple[str, str, int, bool]] = {
     "d: output x3 (patch)": ("outflip:how=patch:factor=3", "sdc", 200, False),
     "e: exponent bit flip": ("corrupt:how=expflip", CORRUPTED, 260, False),
     "e: 1% sign flip": ("corrupt:how=signflip:frac=0.01", CORRUPTED, 260, False),
-    "e: exp_avg x1000 in 10%": ("corrupt:target=state:key=exp_avg:how=scale:frac=0.1:factor=1000", CORRUPTED, 260, False),
+    "e: exp_avg x1000 in 10%": (
+        "corrupt:target=state:key=exp_avg:how=scale:frac=0.1:factor=1000",
+        CORRUPTED,
+        260,
+        False,
+    ),
     "starved core": ("starve:hogs=2", "straggler", 260, True),
 }
 
@@ -66,8 +83,9 @@ class StopWhenFound:
         self.path, self.kinds, self.sent = findings_path, kinds.split(","), False
 
     def __call__(self, proc) -> None:
-        if not self.sent and any(f.get("kind") in self.kinds and f.get("culprit_ranks") == [RANK]
-                                 for f in read_jsonl(self.path)):
+        if not self.sent and any(
+            f.get("kind") in self.kinds and f.get("culprit_ranks") == [RANK] for f in read_jsonl(self.path)
+        ):
             proc.send_signal(signal.SIGINT)
             self.sent = True
 
@@ -85,13 +103,44 @@ def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
     run_id = f"uns-{index:02d}-{list(CASES).index(case):02d}"
     fault_log = out / f"{run_id}.faults.jsonl"
     fault_log.unlink(missing_ok=True)
-    cmd = [PYTHON, "-m", "trainscout", "run", "--console", "plain", "--run-dir", str(out), "--run-id", run_id,
-           "--inject", spec, "--", PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", str(steps),
-           "--device", args.device, "--seed", str(index)]
+    cmd = [
+        PYTHON,
+        "-m",
+        "trainscout",
+        "run",
+        "--console",
+        "plain",
+        "--run-dir",
+        str(out),
+        "--run-id",
+        run_id,
+        "--inject",
+        spec,
+        "--",
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        str(steps),
+        "--device",
+        args.device,
+        "--seed",
+        str(index),
+    ]
     findings_path = out / run_id / "findings.jsonl"
-    res = launch(cmd, out / f"{run_id}.out", env={"TRAINSCOUT_FAULT_LOG": str(fault_log)}, timeout_s=args.timeout,
-                 sampler=StopWhenFound(findings_path, expected))
+    res = launch(
+        cmd,
+        out / f"{run_id}.out",
+        env={"TRAINSCOUT_FAULT_LOG": str(fault_log)},
+        timeout_s=args.timeout,
+        sampler=StopWhenFound(findings_path, expected),
+    )
     fired = [e for e in read_jsonl(fault_log) if e.get("rank") == RANK]
     findings = sorted(read_jsonl(findings_path), key=lambda f: f.get("confirmed", 0.0))
     mine = [f for f in findings if f.get("kind") in expected.split(",") and f.get("culprit_ranks") == [RANK]]
@@ -102,30 +151,68 @@ def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
         latency_s = first["confirmed"] - min(e["t"] for e in fired)
         latency_steps = (first.get("step") or 0) - ONSET
     ev = first.get("evidence", {}) if first else {}
-    return {"case": case, "spec": spec, "run_id": run_id, "code": res.code, "wall_s": round(res.wall_s, 1),
-            "load": round(res.load_before, 2), "timed_out": res.timed_out, "fired": bool(fired),
-            "latency_s": latency_s, "latency_steps": latency_steps, "correct": first is not None and not blamed,
-            "false_blame": blamed, "detail": ev.get("type") or ev.get("check"),
-            "confirmation": (ev.get("confirmation") or {}).get("outcome"),
-            "findings": [(f.get("kind"), f.get("evidence", {}).get("type") or f.get("evidence", {}).get("check"),
-                          f.get("culprit_ranks"), f.get("step")) for f in findings]}
+    return {
+        "case": case,
+        "spec": spec,
+        "run_id": run_id,
+        "code": res.code,
+        "wall_s": round(res.wall_s, 1),
+        "load": round(res.load_before, 2),
+        "timed_out": res.timed_out,
+        "fired": bool(fired),
+        "latency_s": latency_s,
+        "latency_steps": latency_steps,
+        "correct": first is not None and not blamed,
+        "false_blame": blamed,
+        "detail": ev.get("type") or ev.get("check"),
+        "confirmation": (ev.get("confirmation") or {}).get("outcome"),
+        "findings": [
+            (
+                f.get("kind"),
+                f.get("evidence", {}).get("type") or f.get("evidence", {}).get("check"),
+                f.get("culprit_ranks"),
+                f.get("step"),
+            )
+            for f in findings
+        ],
+    }
 
 
 def summarise(rows: list[dict], cases: list[str]) -> tuple[list[str], list[list[str]]]:
-    header = ["case", "n", "correct/n", "named <= 10 steps", "median steps", "max steps", "median s", "max s",
-              "false blame", "by"]
+    header = [
+        "case",
+        "n",
+        "correct/n",
+        "named <= 10 steps",
+        "median steps",
+        "max steps",
+        "median s",
+        "max s",
+        "false blame",
+        "by",
+    ]
     table = []
     for case in cases:
         mine = [r for r in rows if r["case"] == case]
         steps = [r["latency_steps"] for r in mine if r["latency_steps"] is not None]
         secs = [r["latency_s"] for r in mine if r["latency_s"] is not None]
-        by = sorted({f"{r['detail']}" + (f" ({r['confirmation']})" if r["confirmation"] else "")
-                     for r in mine if r["detail"]})
-        table.append([case, str(len(mine)), f"{sum(r['correct'] for r in mine)}/{len(mine)}",
-                      f"{sum(1 for s in steps if s <= 10)}/{len(mine)}",
-                      fmt(median(steps) if steps else None, 1), fmt(max(steps) if steps else None, 0),
-                      fmt(median(secs) if secs else None), fmt(max(secs) if secs else None),
-                      str(sum(1 for r in mine if r["false_blame"])), ", ".join(by)])
+        by = sorted(
+            {f"{r['detail']}" + (f" ({r['confirmation']})" if r["confirmation"] else "") for r in mine if r["detail"]}
+        )
+        table.append(
+            [
+                case,
+                str(len(mine)),
+                f"{sum(r['correct'] for r in mine)}/{len(mine)}",
+                f"{sum(1 for s in steps if s <= 10)}/{len(mine)}",
+                fmt(median(steps) if steps else None, 1),
+                fmt(max(steps) if steps else None, 0),
+                fmt(median(secs) if secs else None),
+                fmt(max(secs) if secs else None),
+                str(sum(1 for r in mine if r["false_blame"])),
+                ", ".join(by),
+            ]
+        )
     return header, table
 
 
@@ -135,18 +222,31 @@ def main() -> int:
     parser.add_argument("--cases", default="", help="comma-separated substrings selecting cases (default: all)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--step-ms", type=float, default=43.0,
-                        help="the job's step time, which 10 %% and 2x are taken of (4 CPU ranks on 2 cores: ~43)")
-    parser.add_argument("--steps-scale", type=float, default=1.0,
-                        help="multiply each case's steps (fast GPU steps: a confirmation scheduled 2.5 s ahead is "
-                             "~200 steps away at 12 ms a step; use 3 there)")
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=43.0,
+        help="the job's step time, which 10 %% and 2x are taken of (4 CPU ranks on 2 cores: ~43)",
+    )
+    parser.add_argument(
+        "--steps-scale",
+        type=float,
+        default=1.0,
+        help="multiply each case's steps (fast GPU steps: a confirmation scheduled 2.5 s ahead is "
+        "~200 steps away at 12 ms a step; use 3 there)",
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is stopped")
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default /tmp/...)")
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")
     args = parser.parse_args()
     wanted = [w for w in args.cases.split(",") if w]
-    cases = [c for c in CASES if (not wanted or any(w in c for w in wanted))
-             and not (args.device == "cuda" and CASES[c][3]) and not (args.device == "cpu" and "gpu" in c)]
+    cases = [
+        c
+        for c in CASES
+        if (not wanted or any(w in c for w in wanted))
+        and not (args.device == "cuda" and CASES[c][3])
+        and not (args.device == "cpu" and "gpu" in c)
+    ]
     if not cases:
         parser.error(f"no case matches {args.cases!r}; cases: {', '.join(CASES)}")
     out, info, up_before = begin(f"unscripted-{args.device}", args.out_dir)
@@ -158,31 +258,46 @@ def main() -> int:
             rows.append(row)
             with raw.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"{row['run_id']} [{case}]: {fmt(row['latency_steps'], 0)} steps, {fmt(row['latency_s'])} s, "
-                  f"correct={row['correct']}, blamed={row['false_blame']}, findings={row['findings']}, "
-                  f"load {row['load']}", flush=True)
+            print(
+                f"{row['run_id']} [{case}]: {fmt(row['latency_steps'], 0)} steps, {fmt(row['latency_s'])} s, "
+                f"correct={row['correct']}, blamed={row['false_blame']}, findings={row['findings']}, "
+                f"load {row['load']}",
+                flush=True,
+            )
     up_after = uptime()
     header, table = summarise(rows, cases)
     print()
     print(text_table(header, table))
     loads = [r["load"] for r in rows]
     wrong = [r for r in rows if not r["correct"] or r["timed_out"]]
-    body = [f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
-            f"{fmt(median(loads))}, max {fmt(max(loads))}",
-            f"- {args.runs} runs per case, round-robin, device {args.device}, {args.nproc} ranks, fault on rank "
-            f"{RANK} from step {ONSET}, 10 % / 2x of a {args.step_ms:g} ms step; seeds 0..{args.runs - 1}; run "
-            "dirs under `<out-dir>`",
-            "- latency in steps = the first correct finding's step - the fault's step; in seconds = its "
-            "`confirmed` - the fault's `t` (TRAINSCOUT_FAULT_LOG); false blame = runs with a finding naming "
-            "another rank", "", markdown_table(header, table), ""]
+    body = [
+        f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
+        f"{fmt(median(loads))}, max {fmt(max(loads))}",
+        f"- {args.runs} runs per case, round-robin, device {args.device}, {args.nproc} ranks, fault on rank "
+        f"{RANK} from step {ONSET}, 10 % / 2x of a {args.step_ms:g} ms step; seeds 0..{args.runs - 1}; run "
+        "dirs under `<out-dir>`",
+        "- latency in steps = the first correct finding's step - the fault's step; in seconds = its "
+        "`confirmed` - the fault's `t` (TRAINSCOUT_FAULT_LOG); false blame = runs with a finding naming "
+        "another rank",
+        "",
+        markdown_table(header, table),
+        "",
+    ]
     if wrong:
         body += ["Runs that were wrong or timed out:", ""]
-        body += [f"- `{r['run_id']}` [{r['case']}] `{r['spec']}`: exit {r['code']}, timed out {r['timed_out']}, "
-                 f"findings {r['findings']}" for r in wrong]
+        body += [
+            f"- `{r['run_id']}` [{r['case']}] `{r['spec']}`: exit {r['code']}, timed out {r['timed_out']}, "
+            f"findings {r['findings']}"
+            for r in wrong
+        ]
         body.append("")
     if not args.no_record:
-        append_results(f"Faults nobody scripted, {args.device} (benchmarks/unscripted.py)", info,
-                       command_line().replace(str(out), "<out-dir>"), "\n".join(body))
+        append_results(
+            f"Faults nobody scripted, {args.device} (benchmarks/unscripted.py)",
+            info,
+            command_line().replace(str(out), "<out-dir>"),
+            "\n".join(body),
+        )
     print(f"raw rows: {raw}")
     return 0
 

@@ -108,7 +108,9 @@ def main(root: str, out) -> int:
         print(f"{os.path.relpath(e.checkpoint, root).ljust(width)}  {e.step:>6}  {e.status:<10}  {e.reason}", file=out)
     pick = recovery_choice(entries)
     if pick is not None:
-        print(f"\nrecover from: {pick.checkpoint} (step {pick.step}, newest certified before any suspect one)", file=out)
+        print(
+            f"\nrecover from: {pick.checkpoint} (step {pick.step}, newest certified before any suspect one)", file=out
+        )
     else:
         print("\nno certified checkpoint to recover from", file=out)
     return 0

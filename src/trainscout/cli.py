@@ -41,35 +41,80 @@ examples:
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default="runs", help="folder for runs/<run-id>/ (default: ./runs)")
     p.add_argument("--run-id", help="name of this run (default: date-time + random)")
-    p.add_argument("--inject", default="", metavar="SPEC",
-                   help="inject a fault, e.g. hang:rank=2:step=20 (see `trainscout demo --help`)")
-    p.add_argument("--config", metavar="FILE", help=f"settings file (default: ./{config.TOML_FILE} if present; see "
-                                                      "`trainscout config`)")
-    p.add_argument("--hang-timeout", type=float, default=None, metavar="S",
-                   help=f"seconds without progress on any rank before a hang is judged (default {config.RUN.hang_timeout:g})")
-    p.add_argument("--stall-timeout", type=float, default=None, metavar="S",
-                   help=f"seconds a job-wide pause may last before a stall is reported (default "
-                        f"{config.RUN.stall_timeout:g})")
-    p.add_argument("--abort-on", default=None, metavar="KINDS",
-                   help="comma-separated finding kinds that stop the training job (e.g. hang,desync)")
-    p.add_argument("--coordinator-addr", metavar="HOST:PORT",
-                   help="multi-node: address of the coordinator; node 0 serves it, other nodes connect")
-    p.add_argument("--node-rank", type=int, default=None,
-                   help="multi-node: this node's rank (default: read from the launcher's --node-rank, else 0)")
-    p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default=None,
-                   help="how stacks are taken from outside a stuck rank (falls back to faulthandler)")
-    p.add_argument("--console", choices=["auto", "rich", "plain"], default=None,
-                   help="finding output style (auto: rich on a terminal, plain lines otherwise)")
-    p.add_argument("--monitor-nice", type=int, default=None, metavar="N",
-                   help="CPU niceness added to the agent and coordinator, 0-19 (default 0): they then use a busy "
-                        "machine's idle moments, but react later under load")
+    p.add_argument(
+        "--inject",
+        default="",
+        metavar="SPEC",
+        help="inject a fault, e.g. hang:rank=2:step=20 (see `trainscout demo --help`)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"settings file (default: ./{config.TOML_FILE} if present; see `trainscout config`)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"seconds without progress on any rank before a hang is judged (default {config.RUN.hang_timeout:g})",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"seconds a job-wide pause may last before a stall is reported (default {config.RUN.stall_timeout:g})",
+    )
+    p.add_argument(
+        "--abort-on",
+        default=None,
+        metavar="KINDS",
+        help="comma-separated finding kinds that stop the training job (e.g. hang,desync)",
+    )
+    p.add_argument(
+        "--coordinator-addr",
+        metavar="HOST:PORT",
+        help="multi-node: address of the coordinator; node 0 serves it, other nodes connect",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="multi-node: this node's rank (default: read from the launcher's --node-rank, else 0)",
+    )
+    p.add_argument(
+        "--stack-method",
+        choices=["py-spy", "faulthandler"],
+        default=None,
+        help="how stacks are taken from outside a stuck rank (falls back to faulthandler)",
+    )
+    p.add_argument(
+        "--console",
+        choices=["auto", "rich", "plain"],
+        default=None,
+        help="finding output style (auto: rich on a terminal, plain lines otherwise)",
+    )
+    p.add_argument(
+        "--monitor-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU niceness added to the agent and coordinator, 0-19 (default 0): they then use a busy "
+        "machine's idle moments, but react later under load",
+    )
 
 
 def _flag_settings(args) -> dict:
     """The settings given as flags of `trainscout run` (None: not given)."""
-    return {"run.hang_timeout": args.hang_timeout, "run.stall_timeout": args.stall_timeout,
-            "run.abort_on": args.abort_on, "run.monitor_nice": args.monitor_nice,
-            "run.stack_method": args.stack_method, "run.console": args.console}
+    return {
+        "run.hang_timeout": args.hang_timeout,
+        "run.stall_timeout": args.stall_timeout,
+        "run.abort_on": args.abort_on,
+        "run.monitor_nice": args.monitor_nice,
+        "run.stack_method": args.stack_method,
+        "run.console": args.console,
+    }
 
 
 def _launcher_node_rank(command: list[str]) -> int | None:
@@ -88,8 +133,11 @@ def _run(args, command: list[str], on_done=None) -> int:
     from trainscout.runner.supervisor import RunOptions, Supervisor, live_ranks, run_dir_of
 
     if not command:
-        print("trainscout run: give the launch command after --, e.g. "
-              "trainscout run -- torchrun --nproc-per-node 4 train.py", file=sys.stderr)
+        print(
+            "trainscout run: give the launch command after --, e.g. "
+            "trainscout run -- torchrun --nproc-per-node 4 train.py",
+            file=sys.stderr,
+        )
         return 2
     if args.inject:
         try:
@@ -108,8 +156,9 @@ def _run(args, command: list[str], on_done=None) -> int:
     abort_on = [k for k in cfg.run.abort_on.split(",") if k]
     bad = [k for k in abort_on if k not in KINDS]
     if bad:
-        print(f"trainscout: unknown kind(s) in --abort-on: {','.join(bad)} (kinds: {', '.join(KINDS)})",
-              file=sys.stderr)
+        print(
+            f"trainscout: unknown kind(s) in --abort-on: {','.join(bad)} (kinds: {', '.join(KINDS)})", file=sys.stderr
+        )
         return 2
     node_rank = args.node_rank if args.node_rank is not None else (_launcher_node_rank(command) or 0)
     if args.coordinator_addr and ":" not in args.coordinator_addr:
@@ -119,27 +168,44 @@ def _run(args, command: list[str], on_done=None) -> int:
         print("trainscout: nodes other than 0 need --coordinator-addr HOST:PORT of node 0", file=sys.stderr)
         return 2
     opts = RunOptions(
-        command=command, run_root=args.run_dir, run_id=args.run_id, inject=args.inject,
-        hang_timeout_s=cfg.run.hang_timeout, stall_timeout_s=cfg.run.stall_timeout, abort_on=abort_on,
-        coordinator_addr=args.coordinator_addr, serve_coordinator=node_rank == 0,
-        node_id=f"node{node_rank}", stack_method=cfg.run.stack_method, console=cfg.run.console,
-        monitor_nice=cfg.run.monitor_nice, settings=config.to_environ(cfg),
+        command=command,
+        run_root=args.run_dir,
+        run_id=args.run_id,
+        inject=args.inject,
+        hang_timeout_s=cfg.run.hang_timeout,
+        stall_timeout_s=cfg.run.stall_timeout,
+        abort_on=abort_on,
+        coordinator_addr=args.coordinator_addr,
+        serve_coordinator=node_rank == 0,
+        node_id=f"node{node_rank}",
+        stack_method=cfg.run.stack_method,
+        console=cfg.run.console,
+        monitor_nice=cfg.run.monitor_nice,
+        settings=config.to_environ(cfg),
     )
     if args.run_id:
         # a run's files are appended to: a second run in the same folder would report the first one's findings
         run_path = run_dir_of(opts, args.run_id)
-        if any(os.path.exists(os.path.join(run_path, name))
-               for name in ("events.jsonl", "events.supervisor.jsonl", "findings.jsonl")):
-            print(f"trainscout: {run_path} already holds a run (its findings would mix with this one's): "
-                  "choose another --run-id, or remove that folder", file=sys.stderr)
+        if any(
+            os.path.exists(os.path.join(run_path, name))
+            for name in ("events.jsonl", "events.supervisor.jsonl", "findings.jsonl")
+        ):
+            print(
+                f"trainscout: {run_path} already holds a run (its findings would mix with this one's): "
+                "choose another --run-id, or remove that folder",
+                file=sys.stderr,
+            )
             return 2
         # run ids name this host's shared-memory channels: a second run with a live run's id would overwrite
         # its channels, and at its own exit remove them and kill that run's ranks as its leftovers
         busy = live_ranks(args.run_id)
         if busy:
             ranks = ", ".join(f"rank {r} (pid {p})" for r, p in sorted(busy.items()))
-            print(f"trainscout: run id {args.run_id!r} is in use by a job running on this host ({ranks}): "
-                  "choose another --run-id", file=sys.stderr)
+            print(
+                f"trainscout: run id {args.run_id!r} is in use by a job running on this host ({ranks}): "
+                "choose another --run-id",
+                file=sys.stderr,
+            )
             return 2
     supervisor = Supervisor(opts)
     status = supervisor.run()
@@ -151,8 +217,19 @@ DEMO_STEPS_CORRUPT = 400
 
 
 def _demo_command(args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-            "--master-port", str(args.master_port), "-m", "trainscout.demo.train", "--steps", str(args.steps)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--master-port",
+        str(args.master_port),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        str(args.steps),
+    ]
 
 
 def _demo_faults(args) -> list:
@@ -168,8 +245,9 @@ def _demo_faults(args) -> list:
         if bad:
             raise ValueError(f"rank {bad[0]} is not in a {args.nproc}-rank demo (ranks 0-{args.nproc - 1})")
         if spec.step > args.steps:
-            raise ValueError(f"{spec.kind} at step {spec.step} would never fire: the demo trains {args.steps} "
-                             f"steps (--steps)")
+            raise ValueError(
+                f"{spec.kind} at step {spec.step} would never fire: the demo trains {args.steps} steps (--steps)"
+            )
     return specs
 
 
@@ -189,15 +267,19 @@ def _request_replay(run_dir: str, layer: str) -> int:
     from trainscout.coordinator.main import REPLAY_REQUEST
 
     if not os.path.exists(os.path.join(run_dir, "coordinator.addr")):
-        print(f"trainscout: {run_dir} is not the folder of a running trainscout job (no coordinator.addr)",
-              file=sys.stderr)
+        print(
+            f"trainscout: {run_dir} is not the folder of a running trainscout job (no coordinator.addr)",
+            file=sys.stderr,
+        )
         return 2
     path = os.path.join(run_dir, REPLAY_REQUEST)
     with open(path + ".tmp", "w") as fh:
         json.dump({"layer": layer}, fh)
     os.replace(path + ".tmp", path)  # the coordinator reads it whole or not at all
-    print(f"trainscout: replay of {layer or 'the next layer'} requested; the coordinator schedules it a few seconds "
-          f"of training ahead (events.jsonl: replay_requested; findings as usual)")
+    print(
+        f"trainscout: replay of {layer or 'the next layer'} requested; the coordinator schedules it a few seconds "
+        f"of training ahead (events.jsonl: replay_requested; findings as usual)"
+    )
     return 0
 
 
@@ -227,60 +309,83 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="trainscout",
         description="Names the rank, host or process that broke a distributed PyTorch job, while it runs. "
-                    "Attach it to an unmodified launch command with `trainscout run -- torchrun ...`.",
-        epilog=FINDING_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "Attach it to an unmodified launch command with `trainscout run -- torchrun ...`.",
+        epilog=FINDING_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"trainscout {__version__}")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
-    run = sub.add_parser("run", help="monitor a training launch command given after --",
-                         description="Run a launcher (torchrun, python -m torch.distributed.run) under "
-                                     "trainscout. The training script needs no change.",
-                         epilog=RUN_EXAMPLE + "\n" + FINDING_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = sub.add_parser(
+        "run",
+        help="monitor a training launch command given after --",
+        description="Run a launcher (torchrun, python -m torch.distributed.run) under "
+        "trainscout. The training script needs no change.",
+        epilog=RUN_EXAMPLE + "\n" + FINDING_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_run_options(run)
-    demo = sub.add_parser("demo", help="4 CPU ranks, a tiny GPT, one injected fault, localized live",
-                          description="A 4-rank CPU (gloo) DDP job training a tiny GPT under trainscout, with one "
-                                      "injected fault. Faults: " + ", ".join(FAULT_KINDS) + ", none. "
-                                      "Exits 0 when trainscout named the injected fault (its kind and exactly its "
-                                      "rank) or, with --fault none, when the job ran clean with no finding; 1 when "
-                                      "it did not; the training job's own exit status is printed.",
-                          epilog="fault parameters: crash how=kill|segv|exception; exit code=N; "
-                                 "desync what=shape|dtype|op|reduce|pg; slow ms=N; pause seconds=N; "
-                                 "corrupt how=bitflip|sign|scale|pct1|pct100|expflip|signflip "
-                                 "target=param|state key=NAME frac=F factor=F; nan where=param|grad; "
-                                 "straggle factor=F every=N; delay how=sleep|busy|read|lock|gpu|data ms=N every=N "
-                                 "layer=NAME; starve hogs=N; gradnoise how=tensor|activation scale=F count=N "
-                                 "layer=NAME; outflip how=hook|patch factor=F layer=NAME "
-                                 "(docs/faults.md)\n\n" + FINDING_HELP,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo = sub.add_parser(
+        "demo",
+        help="4 CPU ranks, a tiny GPT, one injected fault, localized live",
+        description="A 4-rank CPU (gloo) DDP job training a tiny GPT under trainscout, with one "
+        "injected fault. Faults: " + ", ".join(FAULT_KINDS) + ", none. "
+        "Exits 0 when trainscout named the injected fault (its kind and exactly its "
+        "rank) or, with --fault none, when the job ran clean with no finding; 1 when "
+        "it did not; the training job's own exit status is printed.",
+        epilog="fault parameters: crash how=kill|segv|exception; exit code=N; "
+        "desync what=shape|dtype|op|reduce|pg; slow ms=N; pause seconds=N; "
+        "corrupt how=bitflip|sign|scale|pct1|pct100|expflip|signflip "
+        "target=param|state key=NAME frac=F factor=F; nan where=param|grad; "
+        "straggle factor=F every=N; delay how=sleep|busy|read|lock|gpu|data ms=N every=N "
+        "layer=NAME; starve hogs=N; gradnoise how=tensor|activation scale=F count=N "
+        "layer=NAME; outflip how=hook|patch factor=F layer=NAME "
+        "(docs/faults.md)\n\n" + FINDING_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo.add_argument("--fault", default="hang", help="fault kind to inject, or none (default hang)")
     demo.add_argument("--rank", default="2", help="rank to fault, or all (default 2)")
     demo.add_argument("--step", type=int, default=20, help="optimizer step at which it fires (default 20)")
     demo.add_argument("--param", action="append", default=[], metavar="K=V", help="fault parameter, e.g. what=reduce")
-    demo.add_argument("--steps", type=int, default=None,
-                      help=f"training steps (default {DEMO_STEPS}; {DEMO_STEPS_CORRUPT} with --fault corrupt: at "
-                           "default settings the replicated-state check and replay cover the model in a few hundred "
-                           "steps)")
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps (default {DEMO_STEPS}; {DEMO_STEPS_CORRUPT} with --fault corrupt: at "
+        "default settings the replicated-state check and replay cover the model in a few hundred "
+        "steps)",
+    )
     demo.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     demo.add_argument("--master-port", type=int, default=29512)
     demo.add_argument("--keep-running", action="store_true", help="do not stop the job after the finding")
     _add_run_options(demo)
-    ckpt = sub.add_parser("checkpoints", help="list checkpoint certificates and which checkpoint to trust",
-                          description="List the trainscout certificates under DIR (written next to checkpoints "
-                                      "saved with torch.save, torch.distributed.checkpoint or DeepSpeed), judge "
-                                      "them against the run's findings, and name the checkpoint to recover from.")
+    ckpt = sub.add_parser(
+        "checkpoints",
+        help="list checkpoint certificates and which checkpoint to trust",
+        description="List the trainscout certificates under DIR (written next to checkpoints "
+        "saved with torch.save, torch.distributed.checkpoint or DeepSpeed), judge "
+        "them against the run's findings, and name the checkpoint to recover from.",
+    )
     ckpt.add_argument("dir", help="folder to search (recursively)")
-    replay = sub.add_parser("replay", help="ask a running job's replicas to replay a layer now (SDC check)",
-                            description="Ask the coordinator of a running `trainscout run` to schedule an in-situ "
-                                        "replay: every replica recomputes one layer on the same input with its live "
-                                        "parameters a few seconds of training from now, and the outputs are compared "
-                                        "(findings as for scheduled replays). Needs replay enabled "
-                                        "(TRAINSCOUT_REPLAY_EVERY > 0, DDP over 3 or more replicas to attribute).")
+    replay = sub.add_parser(
+        "replay",
+        help="ask a running job's replicas to replay a layer now (SDC check)",
+        description="Ask the coordinator of a running `trainscout run` to schedule an in-situ "
+        "replay: every replica recomputes one layer on the same input with its live "
+        "parameters a few seconds of training from now, and the outputs are compared "
+        "(findings as for scheduled replays). Needs replay enabled "
+        "(TRAINSCOUT_REPLAY_EVERY > 0, DDP over 3 or more replicas to attribute).",
+    )
     replay.add_argument("run_dir", help="runs/<run-id> of the running job")
-    replay.add_argument("--layer", default="", help="layer to replay (e.g. blocks.1); default: the next one of the rotation")
-    cfg_cmd = sub.add_parser("config", help="print every setting's effective value and where it came from",
-                             description="Every setting of trainscout with its effective value here (flags aside: "
-                                         "environment, then ./trainscout.toml or --config FILE, then the default), "
-                                         "the environment variable that sets it, and what it does.")
+    replay.add_argument(
+        "--layer", default="", help="layer to replay (e.g. blocks.1); default: the next one of the rotation"
+    )
+    cfg_cmd = sub.add_parser(
+        "config",
+        help="print every setting's effective value and where it came from",
+        description="Every setting of trainscout with its effective value here (flags aside: "
+        "environment, then ./trainscout.toml or --config FILE, then the default), "
+        "the environment variable that sets it, and what it does.",
+    )
     cfg_cmd.add_argument("--config", metavar="FILE", help=f"settings file (default: ./{config.TOML_FILE} if present)")
     cfg_cmd.add_argument("--markdown", action="store_true", help="print the settings reference (docs/configuration.md)")
     report = sub.add_parser("report", help="print the summary of a finished run")

@@ -32,80 +32,168 @@ class ConfigError(ValueError):
     """A setting's value is not one it accepts; the message names the setting and what it accepts."""
 
 
-def setting(default: Any, env: str, doc: str, *, low: float | None = None, high: float | None = None,
-            choices: tuple[str, ...] = (), flag: str = "", low_open: bool = False) -> Any:
+def setting(
+    default: Any,
+    env: str,
+    doc: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    choices: tuple[str, ...] = (),
+    flag: str = "",
+    low_open: bool = False,
+) -> Any:
     """A declared setting: a dataclass field whose metadata says how it is set and checked."""
-    return field(default=default, metadata={"env": env, "doc": doc, "low": low, "high": high, "choices": choices,
-                                            "flag": flag, "low_open": low_open})
+    return field(
+        default=default,
+        metadata={
+            "env": env,
+            "doc": doc,
+            "low": low,
+            "high": high,
+            "choices": choices,
+            "flag": flag,
+            "low_open": low_open,
+        },
+    )
 
 
 @dataclass(frozen=True)
 class Run:
-    hang_timeout: float = setting(5.0, "TRAINSCOUT_HANG_TIMEOUT", low=0, low_open=True, flag="--hang-timeout",
-                                  doc="seconds with no progress on any rank before a hang is judged")
-    stall_timeout: float = setting(300.0, "TRAINSCOUT_STALL_TIMEOUT", low=0, low_open=True, flag="--stall-timeout",
-                                   doc="seconds a job-wide pause may last before a stall is reported")
-    abort_on: str = setting("", "TRAINSCOUT_ABORT_ON", flag="--abort-on",
-                            doc="comma-separated finding kinds that stop the training job (e.g. hang,desync)")
-    monitor_nice: int = setting(0, "TRAINSCOUT_MONITOR_NICE", low=0, high=19, flag="--monitor-nice",
-                                doc="CPU niceness added to the agent and the coordinator (0-19)")
-    stack_method: str = setting("py-spy", "TRAINSCOUT_STACK_METHOD", choices=("py-spy", "faulthandler"),
-                                flag="--stack-method",
-                                doc="how stacks are taken from outside a stuck rank (falls back to faulthandler)")
-    console: str = setting("auto", "TRAINSCOUT_CONSOLE", choices=("auto", "rich", "plain"), flag="--console",
-                           doc="finding output style (auto: rich on a terminal, plain lines otherwise)")
+    hang_timeout: float = setting(
+        5.0,
+        "TRAINSCOUT_HANG_TIMEOUT",
+        low=0,
+        low_open=True,
+        flag="--hang-timeout",
+        doc="seconds with no progress on any rank before a hang is judged",
+    )
+    stall_timeout: float = setting(
+        300.0,
+        "TRAINSCOUT_STALL_TIMEOUT",
+        low=0,
+        low_open=True,
+        flag="--stall-timeout",
+        doc="seconds a job-wide pause may last before a stall is reported",
+    )
+    abort_on: str = setting(
+        "",
+        "TRAINSCOUT_ABORT_ON",
+        flag="--abort-on",
+        doc="comma-separated finding kinds that stop the training job (e.g. hang,desync)",
+    )
+    monitor_nice: int = setting(
+        0,
+        "TRAINSCOUT_MONITOR_NICE",
+        low=0,
+        high=19,
+        flag="--monitor-nice",
+        doc="CPU niceness added to the agent and the coordinator (0-19)",
+    )
+    stack_method: str = setting(
+        "py-spy",
+        "TRAINSCOUT_STACK_METHOD",
+        choices=("py-spy", "faulthandler"),
+        flag="--stack-method",
+        doc="how stacks are taken from outside a stuck rank (falls back to faulthandler)",
+    )
+    console: str = setting(
+        "auto",
+        "TRAINSCOUT_CONSOLE",
+        choices=("auto", "rich", "plain"),
+        flag="--console",
+        doc="finding output style (auto: rich on a terminal, plain lines otherwise)",
+    )
 
 
 @dataclass(frozen=True)
 class Probe:
-    tick_s: float = setting(0.5, "TRAINSCOUT_PROBE_TICK_S", low=0.01, high=60,
-                            doc="seconds between the probe thread's heartbeats and Flight Recorder polls")
-    evidence: bool = setting(True, "TRAINSCOUT_EVIDENCE",
-                             doc="each step's local loss and layer gradient norms (needs the non-finite check)")
+    tick_s: float = setting(
+        0.5,
+        "TRAINSCOUT_PROBE_TICK_S",
+        low=0.01,
+        high=60,
+        doc="seconds between the probe thread's heartbeats and Flight Recorder polls",
+    )
+    evidence: bool = setting(
+        True, "TRAINSCOUT_EVIDENCE", doc="each step's local loss and layer gradient norms (needs the non-finite check)"
+    )
 
 
 @dataclass(frozen=True)
 class StateCheck:
-    enabled: bool = setting(True, "TRAINSCOUT_STATE_CHECK",
-                            doc="fingerprint replicated parameters and optimizer state in a rotation")
-    budget: float = setting(0.005, "TRAINSCOUT_STATE_BUDGET", low=0, low_open=True, high=1,
-                            doc="share of step time the rotation may take (it adapts its stride)")
-    period: int = setting(0, "TRAINSCOUT_STATE_PERIOD", low=0,
-                          doc="a fixed rotation of this many slots hashed every step instead of the budget (0: off)")
+    enabled: bool = setting(
+        True, "TRAINSCOUT_STATE_CHECK", doc="fingerprint replicated parameters and optimizer state in a rotation"
+    )
+    budget: float = setting(
+        0.005,
+        "TRAINSCOUT_STATE_BUDGET",
+        low=0,
+        low_open=True,
+        high=1,
+        doc="share of step time the rotation may take (it adapts its stride)",
+    )
+    period: int = setting(
+        0,
+        "TRAINSCOUT_STATE_PERIOD",
+        low=0,
+        doc="a fixed rotation of this many slots hashed every step instead of the budget (0: off)",
+    )
 
 
 @dataclass(frozen=True)
 class NonFiniteCheck:
-    enabled: bool = setting(True, "TRAINSCOUT_NONFINITE_CHECK",
-                            doc="test each rank's loss and local gradients for NaN/Inf before any reduction")
-    budget: float = setting(0.001, "TRAINSCOUT_NONFINITE_BUDGET", low=0, low_open=True,
-                            doc="with per-step evidence off: share of step time the CPU gradient test may take "
-                                "(>= 1: every step)")
+    enabled: bool = setting(
+        True,
+        "TRAINSCOUT_NONFINITE_CHECK",
+        doc="test each rank's loss and local gradients for NaN/Inf before any reduction",
+    )
+    budget: float = setting(
+        0.001,
+        "TRAINSCOUT_NONFINITE_BUDGET",
+        low=0,
+        low_open=True,
+        doc="with per-step evidence off: share of step time the CPU gradient test may take (>= 1: every step)",
+    )
 
 
 @dataclass(frozen=True)
 class Replay:
-    every: int = setting(200, "TRAINSCOUT_REPLAY_EVERY", low=0,
-                         doc="steps between scheduled replays of one layer, at least (0: replay off)")
-    budget: float = setting(0.001, "TRAINSCOUT_REPLAY_BUDGET", low=0,
-                            doc="share of step time replay may take, which stretches its interval (0: a replay "
-                                "exactly every `every` steps)")
+    every: int = setting(
+        200,
+        "TRAINSCOUT_REPLAY_EVERY",
+        low=0,
+        doc="steps between scheduled replays of one layer, at least (0: replay off)",
+    )
+    budget: float = setting(
+        0.001,
+        "TRAINSCOUT_REPLAY_BUDGET",
+        low=0,
+        doc="share of step time replay may take, which stretches its interval (0: a replay "
+        "exactly every `every` steps)",
+    )
 
 
 @dataclass(frozen=True)
 class Gather:
-    period: int = setting(4, "TRAINSCOUT_GATHER_PERIOD", low=1,
-                          doc="FSDP2 all-gather check: groups of units checked in turn (made odd)")
+    period: int = setting(
+        4, "TRAINSCOUT_GATHER_PERIOD", low=1, doc="FSDP2 all-gather check: groups of units checked in turn (made odd)"
+    )
 
 
 @dataclass(frozen=True)
 class Hpz:
-    check: bool = setting(True, "TRAINSCOUT_HPZ_CHECK",
-                          doc="ZeRO++ hpZ: compare the weights a module used in backward with its forward's")
+    check: bool = setting(
+        True, "TRAINSCOUT_HPZ_CHECK", doc="ZeRO++ hpZ: compare the weights a module used in backward with its forward's"
+    )
     period: int = setting(4, "TRAINSCOUT_HPZ_PERIOD", low=1, doc="hpZ check: one module in this many per step")
-    fix: str = setting("event", "TRAINSCOUT_HPZ_FIX", choices=("event", "off", "unsafe"),
-                       doc="hpZ secondary-partition ordering: event (CUDA event, no host stall), off "
-                           "(DeepSpeed as shipped), unsafe (no ordering: benchmarks only)")
+    fix: str = setting(
+        "event",
+        "TRAINSCOUT_HPZ_FIX",
+        choices=("event", "off", "unsafe"),
+        doc="hpZ secondary-partition ordering: event (CUDA event, no host stall), off "
+        "(DeepSpeed as shipped), unsafe (no ordering: benchmarks only)",
+    )
 
 
 @dataclass(frozen=True)
@@ -115,22 +203,35 @@ class Checks:
     replay: Replay = field(default_factory=Replay)
     gather: Gather = field(default_factory=Gather)
     hpz: Hpz = field(default_factory=Hpz)
-    link_probe: bool = setting(True, "TRAINSCOUT_LINK_PROBE",
-                               doc="time exchanges between ranks when a group's collectives slow on every member")
+    link_probe: bool = setting(
+        True,
+        "TRAINSCOUT_LINK_PROBE",
+        doc="time exchanges between ranks when a group's collectives slow on every member",
+    )
 
 
 @dataclass(frozen=True)
 class Stragglers:
-    gpu: bool = setting(True, "TRAINSCOUT_GPU_STRAGGLERS",
-                        doc="judge CUDA jobs' compute by GPU-side time (off: their compute is not judged)")
+    gpu: bool = setting(
+        True,
+        "TRAINSCOUT_GPU_STRAGGLERS",
+        doc="judge CUDA jobs' compute by GPU-side time (off: their compute is not judged)",
+    )
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    threads: int = setting(1, "TRAINSCOUT_FINGERPRINT_THREADS", low=1,
-                           doc="threads hashing CPU tensors inside a rank (every core is the job's)")
-    native: bool = setting(True, "TRAINSCOUT_FINGERPRINT_NATIVE",
-                           doc="hash CPU tensors with the C extension where it is built (off: numpy)")
+    threads: int = setting(
+        1,
+        "TRAINSCOUT_FINGERPRINT_THREADS",
+        low=1,
+        doc="threads hashing CPU tensors inside a rank (every core is the job's)",
+    )
+    native: bool = setting(
+        True,
+        "TRAINSCOUT_FINGERPRINT_NATIVE",
+        doc="hash CPU tensors with the C extension where it is built (off: numpy)",
+    )
 
 
 @dataclass(frozen=True)
@@ -149,7 +250,7 @@ INTERNAL: dict[str, str] = {
     "TRAINSCOUT_RUN_ID": "the run's id (names its shared-memory channels), for the ranks' probes",
     "TRAINSCOUT_RUN_DIR": "the run's folder, where ranks write their cost reports",
     "TRAINSCOUT_SECRET": "hex key signing agent <-> coordinator frames; set it yourself, the same on every node, "
-                         "for a multi-node run",
+    "for a multi-node run",
     "TRAINSCOUT_PKG_PATH": "where the bootstrap finds trainscout inside a rank",
     "TRAINSCOUT_PROBE_PID": "marks a rank's children (DataLoader workers) so they start no probe of their own",
     "TRAINSCOUT_INJECT": "faults to inject (`--inject`), for the ranks",
@@ -187,6 +288,7 @@ class Setting:
     def parse(self, value: Any, where: str) -> Any:
         """The value as this setting's type, or ConfigError naming the setting, where it came from and what it
         accepts."""
+
         def bad() -> ConfigError:
             return ConfigError(f"{self.path} ({where}) = {value!r}: expected {self.accepts()}")
 
@@ -230,8 +332,18 @@ def settings(cls: type = Config, prefix: str = "") -> Iterator[Setting]:
             yield from settings(sub, path + ".")
             continue
         m = f.metadata
-        yield Setting(path, m["env"], type(f.default), f.default, m["doc"], m["low"], m["high"], m["choices"],
-                      m["flag"], m["low_open"])
+        yield Setting(
+            path,
+            m["env"],
+            type(f.default),
+            f.default,
+            m["doc"],
+            m["low"],
+            m["high"],
+            m["choices"],
+            m["flag"],
+            m["low_open"],
+        )
 
 
 def _resolve(cls: type, f: dataclasses.Field) -> Any:
@@ -246,8 +358,9 @@ SETTINGS: dict[str, Setting] = {s.path: s for s in settings()}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS.values()}
 
 
-def load(flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
-         toml_path: str | None = None) -> tuple[Config, dict[str, str]]:
+def load(
+    flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None, toml_path: str | None = None
+) -> tuple[Config, dict[str, str]]:
     """(the effective configuration, setting path -> where its value came from: flag | env | toml | default).
     Raises ConfigError on the first bad value, an unknown setting in the TOML file or an unreadable file."""
     environ = os.environ if environ is None else environ
@@ -290,6 +403,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> tuple[Config, list
 
 def build(values: Mapping[str, Any]) -> Config:
     """A Config from dotted paths to values (the rest default)."""
+
     def make(cls: type, prefix: str) -> Any:
         kwargs = {}
         for f in dataclasses.fields(cls):
@@ -350,26 +464,38 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 def describe(cfg: Config, sources: Mapping[str, str]) -> list[tuple[str, str, str, str, str]]:
     """(setting, value, source, environment variable, doc) for `trainscout config`."""
-    return [(s.path, repr(value_of(cfg, s.path)), sources.get(s.path, "default"), s.env, s.doc)
-            for s in SETTINGS.values()]
+    return [
+        (s.path, repr(value_of(cfg, s.path)), sources.get(s.path, "default"), s.env, s.doc) for s in SETTINGS.values()
+    ]
 
 
 def markdown() -> str:
     """docs/configuration.md, from the declaration."""
-    lines = ["# Configuration", "",
-             "Generated from `src/trainscout/config.py` by `trainscout config --markdown`; a test keeps it equal.",
-             "",
-             "Each setting comes from a command-line flag of `trainscout run`, an environment variable or a "
-             f"`{TOML_FILE}` file in the working directory (or `--config FILE`), in that order of precedence, "
-             "else its default. `trainscout run` checks every value before anything starts; `trainscout config` "
-             "prints the effective values and where each came from. In the TOML file a setting is written by its "
-             "path, e.g. `[checks.state]` then `budget = 0.002`.", "",
-             "| setting | default | accepts | environment variable | flag | what it does |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Configuration",
+        "",
+        "Generated from `src/trainscout/config.py` by `trainscout config --markdown`; a test keeps it equal.",
+        "",
+        "Each setting comes from a command-line flag of `trainscout run`, an environment variable or a "
+        f"`{TOML_FILE}` file in the working directory (or `--config FILE`), in that order of precedence, "
+        "else its default. `trainscout run` checks every value before anything starts; `trainscout config` "
+        "prints the effective values and where each came from. In the TOML file a setting is written by its "
+        "path, e.g. `[checks.state]` then `budget = 0.002`.",
+        "",
+        "| setting | default | accepts | environment variable | flag | what it does |",
+        "|---|---|---|---|---|---|",
+    ]
     for s in SETTINGS.values():
-        lines.append(f"| `{s.path}` | `{s.default!r}` | {s.accepts()} | `{s.env}` | {f'`{s.flag}`' if s.flag else ''} "
-                     f"| {s.doc} |")
-    lines += ["", "Variables trainscout passes between its own processes (not settings):", "",
-              "| variable | what |", "|---|---|"]
+        lines.append(
+            f"| `{s.path}` | `{s.default!r}` | {s.accepts()} | `{s.env}` | {f'`{s.flag}`' if s.flag else ''} "
+            f"| {s.doc} |"
+        )
+    lines += [
+        "",
+        "Variables trainscout passes between its own processes (not settings):",
+        "",
+        "| variable | what |",
+        "|---|---|",
+    ]
     lines += [f"| `{name}` | {what} |" for name, what in INTERNAL.items()]
     return "\n".join(lines) + "\n"

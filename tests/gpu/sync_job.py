@@ -144,8 +144,11 @@ def main() -> None:
     torch.cuda.synchronize()
     after = _probe_stats()
     with open(args.out.replace("{rank}", str(rank)), "w") as fh:
-        json.dump({"rank": rank, "control": _record(control), "steady": _record(steady),
-                   "before": before, "after": after}, fh, indent=1)
+        json.dump(
+            {"rank": rank, "control": _record(control), "steady": _record(steady), "before": before, "after": after},
+            fh,
+            indent=1,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -25,8 +25,9 @@ from trainscout.probe.state_check import STATE_PG_INDEX, StateCheck
 
 def _model(cuda: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256),
-                         nn.Linear(256, 256)).to(cuda)
+    return nn.Sequential(
+        nn.Embedding(256, 64), nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 256)
+    ).to(cuda)
 
 
 def _train_step(model, gen, cuda, poison=None) -> torch.Tensor:
@@ -44,8 +45,17 @@ def test_prepared_ranges_equal_the_cpu_reference(gen, cuda):
     small = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=gen, device=cuda)
     halves = torch.randn(4099, generator=gen, device=cuda).to(torch.bfloat16)
     unaligned = small[1:]  # a view whose first byte is not 4-byte aligned
-    items = [(big, 0, 4 * (1 << 20)), (big, 4 * (1 << 20), big.numel() * 4), (small, 0, 1001), (small, 4, 7),
-             (halves, 0, 8198), (halves, 4, 8196), (unaligned, 0, 999), (big[::2], 0, 4096), (small, 8, 8)]
+    items = [
+        (big, 0, 4 * (1 << 20)),
+        (big, 4 * (1 << 20), big.numel() * 4),
+        (small, 0, 1001),
+        (small, 4, 7),
+        (halves, 0, 8198),
+        (halves, 4, 8196),
+        (unaligned, 0, 999),
+        (big[::2], 0, 4096),
+        (small, 8, 8),
+    ]
     want = [cpu.fingerprint_range(t.cpu().contiguous(), s, e) for t, s, e in items]
     prepared = gpu.PreparedRanges(items)
     for _ in range(3):  # the first call compiles through the general path; later ones launch raw
@@ -144,10 +154,14 @@ def test_nonfinite_kernel_counts_and_sums_squares_of_each_tensor_and_reads_the_l
     big = nonfinite_cuda.CHUNK + nonfinite_cuda.BLOCK + 3  # two items, the second with a ragged tail
     for trial in range(3):
         base = torch.randn(100, generator=gen, device=cuda)
-        tensors = [-torch.rand((), generator=gen, device=cuda) - 0.5, torch.randn(big, generator=gen, device=cuda),
-                   torch.randn(64, 33, generator=gen, device=cuda).to(torch.bfloat16),
-                   torch.randn(17, generator=gen, device=cuda).half(), torch.randn(9, generator=gen, device=cuda).double(),
-                   base[1:50] if trial == 2 else base[:49]]  # trial 2: an address not 16-byte aligned
+        tensors = [
+            -torch.rand((), generator=gen, device=cuda) - 0.5,
+            torch.randn(big, generator=gen, device=cuda),
+            torch.randn(64, 33, generator=gen, device=cuda).to(torch.bfloat16),
+            torch.randn(17, generator=gen, device=cuda).half(),
+            torch.randn(9, generator=gen, device=cuda).double(),
+            base[1:50] if trial == 2 else base[:49],
+        ]  # trial 2: an address not 16-byte aligned
         for t in tensors[1:]:
             flat = t.view(-1)
             picks = torch.randint(0, flat.numel(), (trial,), generator=gen, device=cuda)
@@ -164,11 +178,11 @@ def test_nonfinite_kernel_counts_and_sums_squares_of_each_tensor_and_reads_the_l
             nonfinite_cuda.enqueue(layout, [t.data_ptr() for t in tensors], out, slot)
             got = out.cpu().numpy().astype(np.float64)
             counts = np.bincount(layout.owner, weights=got[:n], minlength=len(tensors))
-            sumsq = np.bincount(layout.owner, weights=got[n:2 * n], minlength=len(tensors))
+            sumsq = np.bincount(layout.owner, weights=got[n : 2 * n], minlength=len(tensors))
             assert list(counts) == want_counts, (trial, counts, want_counts)
             np.testing.assert_allclose(sumsq, want_sumsq, rtol=1e-5, equal_nan=True)  # Inf and NaN propagate
             assert got[2 * n] == float(tensors[0]) < 0  # the loss's value, sign included
-            assert list(got[layout.n_values:]) == [-7.0, -7.0]
+            assert list(got[layout.n_values :]) == [-7.0, -7.0]
 
 
 def test_gather_check_on_cuda_publishes_the_cpu_fingerprint_of_each_gathered_parameter(cuda, gen):
@@ -176,8 +190,13 @@ def test_gather_check_on_cuda_publishes_the_cpu_fingerprint_of_each_gathered_par
 
     records, table = [], {}
     state = {"step": 0}
-    check = GatherCheck(lambda *rec: records.append(rec), lambda: state["step"],
-                        lambda name: table.setdefault(name, len(table)), period=1, budget=0)
+    check = GatherCheck(
+        lambda *rec: records.append(rec),
+        lambda: state["step"],
+        lambda name: table.setdefault(name, len(table)),
+        period=1,
+        budget=0,
+    )
     model = _model(cuda)
     check.watch(model)
     expected = {}

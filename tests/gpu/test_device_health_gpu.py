@@ -77,9 +77,11 @@ def test_sample_cost_and_no_finding_on_a_healthy_gpu(sampler, cuda):
         time.sleep(0.05)
     torch.cuda.synchronize()
     n = len(readings)
-    print(f"\n{n} GPU(s), XID events {sampler.xid_status}; one sample: median "
-          f"{1e3 * statistics.median(costs):.2f} ms, max {1e3 * max(costs):.2f} ms "
-          f"({1e3 * statistics.median(costs) / n:.2f} ms per GPU)")
+    print(
+        f"\n{n} GPU(s), XID events {sampler.xid_status}; one sample: median "
+        f"{1e3 * statistics.median(costs):.2f} ms, max {1e3 * max(costs):.2f} ms "
+        f"({1e3 * statistics.median(costs) / n:.2f} ms per GPU)"
+    )
     for r in readings:
         print(f"gpu {r.index}: {summarize(GpuSample.from_reading(str(r.index), r))}; errors {r.errors}")
     assert found == []

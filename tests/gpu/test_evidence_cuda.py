@@ -44,7 +44,7 @@ def _decode(records: list, layers: list[str]) -> dict[int, tuple[float, dict[str
         assert len(norms) == count
         loss, named = out.setdefault(rec[1], (loss_from_bits(rec[2]), {}))
         start = part * local_evidence.NORMS_PER_RECORD
-        named.update(zip(layers[start:start + count], norms.tolist()))
+        named.update(zip(layers[start : start + count], norms.tolist()))
     return out
 
 

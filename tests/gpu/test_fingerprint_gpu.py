@@ -10,8 +10,29 @@ from trainscout.fingerprint import cpu, gpu
 
 MiB = 1 << 20
 
-BYTE_SIZES = [0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 1023, 4095, 4096 * 4, 4096 * 4 + 1, 65537 * 4 + 3,
-              MiB, MiB + 2, 7 * MiB + 1, 64 * MiB, 64 * MiB + 3]
+BYTE_SIZES = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    5,
+    7,
+    8,
+    15,
+    16,
+    17,
+    1023,
+    4095,
+    4096 * 4,
+    4096 * 4 + 1,
+    65537 * 4 + 3,
+    MiB,
+    MiB + 2,
+    7 * MiB + 1,
+    64 * MiB,
+    64 * MiB + 3,
+]
 
 
 def _rand_bytes(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -68,8 +89,12 @@ def test_range_cuda_equals_cpu(start, end, gen, cuda):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(rows=1, num_warps=1, programs_per_sm=1), dict(rows=8, num_warps=4, programs_per_sm=8, mulhi=2),
-     dict(rows=4, num_warps=8, programs_per_sm=2, mulhi=1), dict(rows=2, num_warps=2, programs_per_sm=16)],
+    [
+        dict(rows=1, num_warps=1, programs_per_sm=1),
+        dict(rows=8, num_warps=4, programs_per_sm=8, mulhi=2),
+        dict(rows=4, num_warps=8, programs_per_sm=2, mulhi=1),
+        dict(rows=2, num_warps=2, programs_per_sm=16),
+    ],
 )
 def test_launch_configuration_never_changes_the_value(kw, gen, cuda):
     data = _rand_bytes(9 * MiB + 3, gen, cuda)

@@ -28,9 +28,25 @@ pytestmark = [
 
 
 def test_race_named_and_event_order_bitwise(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hpz_race.py"), "--out", str(tmp_path),
-                           "--side-by-side", "--steps", "12", "--phases", "ref,ref2,unsafe,event",
-                           "--budget-s", "240"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "hpz_race.py"),
+            "--out",
+            str(tmp_path),
+            "--side-by-side",
+            "--steps",
+            "12",
+            "--phases",
+            "ref,ref2,unsafe,event",
+            "--budget-s",
+            "240",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     res = json.loads((tmp_path / "hpz_results.json").read_text())
     assert res["ref2"]["summary"]["vs_ref"]["bitwise_equal"], res["ref2"]

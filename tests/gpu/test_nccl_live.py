@@ -32,12 +32,36 @@ def _port() -> int:
 
 
 def _run(tmp_path, run_id, inject="", steps=40, script_args=(), env=None):
-    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id,
-           "--console", "plain", "--abort-on", "hang,desync"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainscout",
+        "run",
+        "--run-dir",
+        str(tmp_path),
+        "--run-id",
+        run_id,
+        "--console",
+        "plain",
+        "--abort-on",
+        "hang,desync",
+    ]
     if inject:
         cmd += ["--inject", inject]
-    cmd += ["--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_port()), str(REPO / "examples" / "ddp_train.py"), "--steps", str(steps), *script_args]
+    cmd += [
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_port()),
+        str(REPO / "examples" / "ddp_train.py"),
+        "--steps",
+        str(steps),
+        *script_args,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     path = tmp_path / run_id / "findings.jsonl"
     findings = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -59,11 +83,13 @@ def test_nccl_clean_run_has_no_finding(tmp_path):
 
 
 def test_gpu_spin_straggler_is_named_by_arrival_order(tmp_path):
-    done, findings = _run(tmp_path, "gpuslow", inject="gpuslow:rank=1:step=30:ms=10", steps=200,
-                          script_args=("--hidden", "2048"))
+    done, findings = _run(
+        tmp_path, "gpuslow", inject="gpuslow:rank=1:step=30:ms=10", steps=200, script_args=("--hidden", "2048")
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     assert [(f["kind"], f["culprit_ranks"], f["evidence"]["type"]) for f in findings] == [
-        ("straggler", [1], "compute")], json.dumps(findings, indent=1) + done.stdout[-3000:]
+        ("straggler", [1], "compute")
+    ], json.dumps(findings, indent=1) + done.stdout[-3000:]
     f = findings[0]
     assert f["evidence"]["measure"] == "time to the end of backward (GPU or host)", f
     assert f["evidence"]["basis"].startswith("arrival order") and f["confidence"] < 0.5, f

@@ -34,12 +34,32 @@ def _port() -> int:
 
 
 def _trainscout(tmp_path, run_id, script, script_args, inject="", env=None, nproc=NPROC):
-    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id,
-           "--console", "plain"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainscout",
+        "run",
+        "--run-dir",
+        str(tmp_path),
+        "--run-id",
+        run_id,
+        "--console",
+        "plain",
+    ]
     if inject:
         cmd += ["--inject", inject]
-    cmd += ["--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(_port()), str(script), *script_args]
+    cmd += [
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(_port()),
+        str(script),
+        *script_args,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     path = tmp_path / run_id / "findings.jsonl"
     findings = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -49,9 +69,13 @@ def _trainscout(tmp_path, run_id, script, script_args, inject="", env=None, npro
 @pytest.mark.skipif(NPROC < 1, reason="needs a CUDA device")
 def test_steady_state_steps_cause_no_host_sync_from_trainscout(tmp_path):
     out = tmp_path / "sync-{rank}.json"
-    done, findings = _trainscout(tmp_path, "sync", HERE / "sync_job.py",
-                                 ["--warmup", "20", "--steps", "60", "--out", str(out)],
-                                 env={"TRAINSCOUT_REPLAY_EVERY": "100", "TRAINSCOUT_REPLAY_BUDGET": "0"})
+    done, findings = _trainscout(
+        tmp_path,
+        "sync",
+        HERE / "sync_job.py",
+        ["--warmup", "20", "--steps", "60", "--out", str(out)],
+        env={"TRAINSCOUT_REPLAY_EVERY": "100", "TRAINSCOUT_REPLAY_BUDGET": "0"},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert findings == []
     for rank in range(NPROC):
@@ -76,8 +100,9 @@ def test_fsdp2_steady_state_steps_cause_no_host_sync_from_trainscout(tmp_path):
     """FSDP2: the all-gather check hashes gathered parameters on the training stream and reads them back
     later; with the non-finite loss check that is all the probe does on CUDA there."""
     out = tmp_path / "sync-{rank}.json"
-    done, findings = _trainscout(tmp_path, "sync-fsdp", HERE / "sync_job.py",
-                                 ["--warmup", "20", "--steps", "60", "--out", str(out), "--fsdp"])
+    done, findings = _trainscout(
+        tmp_path, "sync-fsdp", HERE / "sync_job.py", ["--warmup", "20", "--steps", "60", "--out", str(out), "--fsdp"]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert findings == []
     for rank in range(NPROC):
@@ -95,8 +120,13 @@ def test_fsdp2_steady_state_steps_cause_no_host_sync_from_trainscout(tmp_path):
 
 @pytest.mark.skipif(NPROC < 2, reason="needs 2 CUDA devices")
 def test_nan_in_one_ranks_cuda_gradient_is_reported_at_its_step_before_the_reduction(tmp_path):
-    done, findings = _trainscout(tmp_path, "nan-grad", REPO / "examples" / "ddp_train.py", ["--steps", "40"],
-                                 inject="nan:rank=1:step=10:where=grad")
+    done, findings = _trainscout(
+        tmp_path,
+        "nan-grad",
+        REPO / "examples" / "ddp_train.py",
+        ["--steps", "40"],
+        inject="nan:rank=1:step=10:where=grad",
+    )
     log = tmp_path / "nan-grad" / "launcher.log"
     output = done.stdout + done.stderr + (log.read_text(errors="replace") if log.exists() else "")
     assert "rank 1: nan: NaN in the next gradient of" in output, output[-3000:]

@@ -84,9 +84,11 @@ class JobResult:
 
     def describe(self) -> str:
         """Enough context for a failed assertion to be diagnosed from the test report alone."""
-        return (f"exit code {self.returncode} after {self.duration_s:.1f} s\nfindings: "
-                f"{json.dumps(self.findings, indent=1)[:6000]}\nevents: {json.dumps(self.events)[:3000]}\n"
-                f"--- output (tail) ---\n{self.output[-6000:]}")
+        return (
+            f"exit code {self.returncode} after {self.duration_s:.1f} s\nfindings: "
+            f"{json.dumps(self.findings, indent=1)[:6000]}\nevents: {json.dumps(self.events)[:3000]}\n"
+            f"--- output (tail) ---\n{self.output[-6000:]}"
+        )
 
 
 def processes_of_run(run_id: str) -> list[int]:
@@ -151,8 +153,16 @@ def _stop(proc: subprocess.Popen) -> None:
 class Job:
     """A started `trainscout` process whose merged stdout+stderr goes to a file (no pipe to fill up)."""
 
-    def __init__(self, args: list[str], run_root: Path, run_id: str, *, env: dict | None = None,
-                 cwd: Path | None = None, node_suffix: str = "") -> None:
+    def __init__(
+        self,
+        args: list[str],
+        run_root: Path,
+        run_id: str,
+        *,
+        env: dict | None = None,
+        cwd: Path | None = None,
+        node_suffix: str = "",
+    ) -> None:
         self.args = args
         self.run_id = run_id
         self.run_path = Path(run_root) / (run_id + node_suffix)
@@ -166,8 +176,14 @@ class Job:
             full_env.update(env)
         self._log = open(self.log_path, "w")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     cwd=str(cwd or run_root), start_new_session=True)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=str(cwd or run_root),
+            start_new_session=True,
+        )
 
     @property
     def pid(self) -> int:
@@ -188,8 +204,10 @@ class Job:
             if text in self.launcher_log():
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"trainscout exited ({self.proc.returncode}) before the launcher printed "
-                                     f"{text!r}\n{self.output()[-4000:]}")
+                raise AssertionError(
+                    f"trainscout exited ({self.proc.returncode}) before the launcher printed "
+                    f"{text!r}\n{self.output()[-4000:]}"
+                )
             time.sleep(0.1)
         raise AssertionError(f"launcher did not print {text!r} within {timeout} s\n{self.output()[-4000:]}")
 
@@ -203,10 +221,15 @@ class Job:
             pytest.fail(f"{' '.join(self.args)} did not finish within {timeout} s\n{self.output()[-6000:]}")
         duration = time.monotonic() - self.started
         self._log.close()
-        return JobResult(returncode=self.proc.returncode, findings=read_findings(self.run_path),
-                         run_path=self.run_path, output=self.output(), duration_s=duration,
-                         events=read_events(self.run_path),
-                         raw_findings=read_jsonl(self.run_path / "findings.jsonl"))
+        return JobResult(
+            returncode=self.proc.returncode,
+            findings=read_findings(self.run_path),
+            run_path=self.run_path,
+            output=self.output(),
+            duration_s=duration,
+            events=read_events(self.run_path),
+            raw_findings=read_jsonl(self.run_path / "findings.jsonl"),
+        )
 
     def cleanup(self) -> None:
         if self.proc.poll() is None:
@@ -240,26 +263,58 @@ def run_job(args: list[str], run_root: Path, run_id: str, timeout: float = JOB_T
         job.cleanup()
 
 
-def run_demo(tmp_path: Path, name: str, *, fault: str = "none", rank: str | int = 2, step: int = 20,
-             steps: int = 60, params: tuple[str, ...] = (), extra: tuple[str, ...] = (),
-             timeout: float = JOB_TIMEOUT_S) -> JobResult:
+def run_demo(
+    tmp_path: Path,
+    name: str,
+    *,
+    fault: str = "none",
+    rank: str | int = 2,
+    step: int = 20,
+    steps: int = 60,
+    params: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
+    timeout: float = JOB_TIMEOUT_S,
+) -> JobResult:
     """`trainscout demo` (4 CPU ranks, tiny GPT under DDP) with one injected fault."""
     run_id = unique_run_id(name)
-    args = trainscout_cmd("demo", "--fault", fault, "--rank", str(rank), "--step", str(step),
-                          "--steps", str(steps), "--master-port", str(free_port()),
-                          "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain")
+    args = trainscout_cmd(
+        "demo",
+        "--fault",
+        fault,
+        "--rank",
+        str(rank),
+        "--step",
+        str(step),
+        "--steps",
+        str(steps),
+        "--master-port",
+        str(free_port()),
+        "--run-dir",
+        str(tmp_path),
+        "--run-id",
+        run_id,
+        "--console",
+        "plain",
+    )
     for p in params:
         args += ["--param", p]
     args += list(extra)
     return run_job(args, tmp_path, run_id, timeout=timeout)
 
 
-def run_under_trainscout(tmp_path: Path, name: str, launch: list[str], options: tuple[str, ...] = (),
-                         timeout: float = JOB_TIMEOUT_S, env: dict | None = None) -> JobResult:
+def run_under_trainscout(
+    tmp_path: Path,
+    name: str,
+    launch: list[str],
+    options: tuple[str, ...] = (),
+    timeout: float = JOB_TIMEOUT_S,
+    env: dict | None = None,
+) -> JobResult:
     """`trainscout run [options] -- <launch>`."""
     run_id = unique_run_id(name)
-    args = trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain",
-                          *options, "--", *launch)
+    args = trainscout_cmd(
+        "run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain", *options, "--", *launch
+    )
     return run_job(args, tmp_path, run_id, timeout=timeout, env=env)
 
 

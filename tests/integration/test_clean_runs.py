@@ -42,9 +42,20 @@ def test_uniformly_slow_job_has_no_findings(tmp_path):
 
 def test_job_wide_pause_longer_than_hang_timeout_is_not_a_hang(tmp_path):
     # every rank saves a checkpoint and sleeps 8 s after step 20, with a 3 s hang timeout
-    launch = torchrun_cmd("--nproc-per-node", "4", "--master-port", str(free_port()),
-                          "-m", "trainscout.demo.train", "--steps", "40", "--pause-at", "20",
-                          "--pause-seconds", "8")
+    launch = torchrun_cmd(
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        "40",
+        "--pause-at",
+        "20",
+        "--pause-seconds",
+        "8",
+    )
     result = run_under_trainscout(tmp_path, "pause", launch, options=("--hang-timeout", "3"))
 
     _assert_clean(result)

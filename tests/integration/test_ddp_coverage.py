@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 10
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
     import torch.distributed as dist
@@ -79,7 +79,7 @@ SCRIPT = textwrap.dedent('''
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     dist.destroy_process_group()
-''')
+""")
 
 
 def test_ddp_bucket_all_reduces_from_cpp_are_recorded(tmp_path):
@@ -87,8 +87,7 @@ def test_ddp_bucket_all_reduces_from_cpp_are_recorded(tmp_path):
     script.write_text(SCRIPT)
     out = tmp_path / "counts"
     out.mkdir()
-    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(out),
-                          str(STEPS))
+    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(out), str(STEPS))
     result = run_under_trainscout(tmp_path, "ddp", launch)
 
     assert result.returncode == 0, result.describe()
@@ -106,4 +105,5 @@ def test_ddp_bucket_all_reduces_from_cpp_are_recorded(tmp_path):
         assert counts["ddp_all_reduces"] == STEPS, counts  # one bucket: exactly one per step
         assert len(counts["seqs"]) == len(set(counts["seqs"])), counts  # each collective recorded once
         assert counts["all_reduce_descs"] == sorted(
-            [f"all_reduce Float[{counts['n_params']}]", "all_reduce Float[] op=SUM"]), counts
+            [f"all_reduce Float[{counts['n_params']}]", "all_reduce Float[] op=SUM"]
+        ), counts

@@ -54,8 +54,9 @@ def hang_job(tmp_path_factory):
     def get(rank: int, step: int):
         if (rank, step) not in cache:
             name = f"hang{rank}"
-            cache[(rank, step)] = run_demo(tmp_path_factory.mktemp(name), name, fault="hang", rank=rank,
-                                           step=step, steps=100)
+            cache[(rank, step)] = run_demo(
+                tmp_path_factory.mktemp(name), name, fault="hang", rank=rank, step=step, steps=100
+            )
         return cache[(rank, step)]
 
     return get
@@ -112,13 +113,13 @@ def test_gil_holding_rank_is_named_and_marked_starved(tmp_path):
     assert "_fire" in stack, stack  # the spinning loop, seen from outside a process holding the GIL
 
 
-@pytest.mark.parametrize("what,differs_in", [("shape", "shape"), ("dtype", "dtype"), ("op", "op"),
-                                             ("reduce", "reduce op")])
+@pytest.mark.parametrize(
+    "what,differs_in", [("shape", "shape"), ("dtype", "dtype"), ("op", "op"), ("reduce", "reduce op")]
+)
 def test_desync_names_the_rank_with_the_different_collective(tmp_path, what, differs_in):
     # 300 steps: a desync that does not stop the job (another reduce op) is seen once the Flight Recorder
     # entries before it are read (<= 2 s); the job must still run then for the abort to end it
-    result = run_demo(tmp_path, f"desync-{what}", fault="desync", rank=2, step=20, steps=300,
-                      params=(f"what={what}",))
+    result = run_demo(tmp_path, f"desync-{what}", fault="desync", rank=2, step=20, steps=300, params=(f"what={what}",))
 
     _assert_demo_passed(result)
     f = _only(result, "desync")
@@ -149,8 +150,7 @@ def test_desync_onto_another_process_group_is_named(tmp_path):
 
 @pytest.mark.parametrize("how,rank", [("kill", 1), ("exception", 2)])
 def test_crash_names_the_rank_that_died_first(tmp_path, how, rank):
-    result = run_demo(tmp_path, f"crash-{how}", fault="crash", rank=rank, step=20, steps=100,
-                      params=(f"how={how}",))
+    result = run_demo(tmp_path, f"crash-{how}", fault="crash", rank=rank, step=20, steps=100, params=(f"how={how}",))
 
     _assert_demo_passed(result)
     crashes = of_kind(result.findings, "crash")

@@ -40,16 +40,30 @@ class Framework:
     replicas: list  # expected replica classes
 
     def launch(self, steps: int) -> list[str]:
-        return torchrun_cmd("--nproc-per-node", str(self.nproc), "--master-port", str(free_port()),
-                            str(EXAMPLES / self.script), *self.args, "--steps", str(steps))
+        return torchrun_cmd(
+            "--nproc-per-node",
+            str(self.nproc),
+            "--master-port",
+            str(free_port()),
+            str(EXAMPLES / self.script),
+            *self.args,
+            "--steps",
+            str(steps),
+        )
 
 
 ALL3 = [[0, 1, 2]]
 FRAMEWORKS = {
     "ddp": Framework("ddp_train.py", ("--hidden", "32"), 3, "DDP", {"replicate": ALL3}, ALL3),
     "fsdp2": Framework("fsdp2_train.py", (), 3, "FSDP2", {"shard": ALL3}, []),
-    "hsdp": Framework("hsdp_train.py", ("--replicate", "2"), 4, "HSDP",
-                      {"replicate": [[0, 2], [1, 3]], "shard": [[0, 1], [2, 3]]}, [[0, 2], [1, 3]]),
+    "hsdp": Framework(
+        "hsdp_train.py",
+        ("--replicate", "2"),
+        4,
+        "HSDP",
+        {"replicate": [[0, 2], [1, 3]], "shard": [[0, 1], [2, 3]]},
+        [[0, 2], [1, 3]],
+    ),
     "tp": Framework("tp_train.py", (), 3, "DTensor TP", {"tensor": ALL3}, []),
     "zero1": Framework("deepspeed_train.py", ("--zero-stage", "1"), 3, "DeepSpeed ZeRO-1", {"replicate": ALL3}, ALL3),
     "zero2": Framework("deepspeed_train.py", ("--zero-stage", "2"), 3, "DeepSpeed ZeRO-2", {"replicate": ALL3}, ALL3),
@@ -62,11 +76,11 @@ CLEAN_ELSEWHERE = {"ddp"}
 EVERY_STEP = {"TRAINSCOUT_STATE_PERIOD": "1"}  # the whole replicated state fingerprinted every step
 
 
-def _start(jobs, tmp_path: Path, name: str, launch: list[str], options: tuple[str, ...] = (),
-           env: dict | None = None):
+def _start(jobs, tmp_path: Path, name: str, launch: list[str], options: tuple[str, ...] = (), env: dict | None = None):
     run_id = unique_run_id(name)
-    args = trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain",
-                          *options, "--", *launch)
+    args = trainscout_cmd(
+        "run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain", *options, "--", *launch
+    )
     return jobs(args, tmp_path, run_id, env=env)
 
 
@@ -113,12 +127,13 @@ def _check_topology(fw: Framework, result) -> None:
 @pytest.mark.parametrize("name", list(FRAMEWORKS))
 def test_framework_topology_and_culprits_without_code_change(jobs, tmp_path, name):
     fw = FRAMEWORKS[name]
-    inject = (f"desync:rank={DESYNC_RANK}:step={DESYNC_STEP}:what=reduce;"
-              f"hang:rank={HANG_RANK}:step={HANG_STEP}")
-    faulted = _start(jobs, tmp_path, f"{name}-faults", fw.launch(steps=HANG_STEP + 6),
-                     ("--inject", inject, "--abort-on", "hang"))
-    clean = None if name in CLEAN_ELSEWHERE else _start(jobs, tmp_path, f"{name}-clean", fw.launch(steps=6),
-                                                        env=EVERY_STEP)
+    inject = f"desync:rank={DESYNC_RANK}:step={DESYNC_STEP}:what=reduce;hang:rank={HANG_RANK}:step={HANG_STEP}"
+    faulted = _start(
+        jobs, tmp_path, f"{name}-faults", fw.launch(steps=HANG_STEP + 6), ("--inject", inject, "--abort-on", "hang")
+    )
+    clean = (
+        None if name in CLEAN_ELSEWHERE else _start(jobs, tmp_path, f"{name}-clean", fw.launch(steps=6), env=EVERY_STEP)
+    )
     got = faulted.wait(JOB_TIMEOUT_S)
 
     kinds = sorted(f["kind"] for f in got.findings)
@@ -164,14 +179,22 @@ def test_framework_topology_and_culprits_without_code_change(jobs, tmp_path, nam
 
 def test_corrupted_shard_of_an_hsdp_replica_is_named(jobs, tmp_path):
     """Three replicas of a one-shard HSDP mesh: a bit flipped in rank 1's shard is named by its replicas."""
-    fw = Framework("hsdp_train.py", ("--replicate", "3"), 3, "HSDP", {"replicate": ALL3, "shard": [[0], [1], [2]]},
-                   ALL3)
-    job = _start(jobs, tmp_path, "hsdp-sdc", fw.launch(steps=12),
-                 ("--inject", "corrupt:rank=1:step=2:target=param", "--abort-on", "sdc"), env=EVERY_STEP)
+    fw = Framework(
+        "hsdp_train.py", ("--replicate", "3"), 3, "HSDP", {"replicate": ALL3, "shard": [[0], [1], [2]]}, ALL3
+    )
+    job = _start(
+        jobs,
+        tmp_path,
+        "hsdp-sdc",
+        fw.launch(steps=12),
+        ("--inject", "corrupt:rank=1:step=2:target=param", "--abort-on", "sdc"),
+        env=EVERY_STEP,
+    )
     got = job.wait(JOB_TIMEOUT_S)
     assert got.findings, got.describe()
-    assert all(f["kind"] == "sdc" and f["status"] == "attributed" and f["culprit_ranks"] == [1]
-               for f in got.findings), got.describe()
+    assert all(
+        f["kind"] == "sdc" and f["status"] == "attributed" and f["culprit_ranks"] == [1] for f in got.findings
+    ), got.describe()
     state = [f for f in got.findings if f["evidence"]["check"] == "replicated_state"]
     assert state, got.describe()
     topo = _topology(got)

@@ -75,8 +75,9 @@ def train(steps: int) -> None:
     }
     deepspeed.init_distributed(dist_backend="gloo")
     model = Net()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                           config=config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config
+    )
     rank = int(os.environ["RANK"])
     corrupt = os.environ.get(CORRUPT_ENV, "")
     if corrupt:
@@ -126,14 +127,29 @@ CORRUPT_STEP = 6
 
 def _start(jobs, tmp_path: Path, name: str, env: dict[str, str]) -> Job:
     run_id = unique_run_id(name)
-    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()), str(Path(__file__).resolve()),
-                          "--train", "--steps", str(STEPS))
+    launch = torchrun_cmd(
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).resolve()),
+        "--train",
+        "--steps",
+        str(STEPS),
+    )
     args = trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain", "--", *launch)
     # the check's default schedule: every step the two modules the previous forward released last (here
     # blocks.1.down and head), plus one module in TRAINSCOUT_HPZ_PERIOD (4) by DeepSpeed's module id
     # (the defaults, set so that an outer environment cannot leak in)
-    knobs = {"DS_ACCELERATOR": "cpu", "TRAINSCOUT_REPLAY_EVERY": "0", "OMP_NUM_THREADS": "1", CORRUPT_ENV: "",
-             "TRAINSCOUT_HPZ_PERIOD": "4", "TRAINSCOUT_HPZ_CHECK": "1", "TRAINSCOUT_HPZ_FIX": "event"}
+    knobs = {
+        "DS_ACCELERATOR": "cpu",
+        "TRAINSCOUT_REPLAY_EVERY": "0",
+        "OMP_NUM_THREADS": "1",
+        CORRUPT_ENV: "",
+        "TRAINSCOUT_HPZ_PERIOD": "4",
+        "TRAINSCOUT_HPZ_CHECK": "1",
+        "TRAINSCOUT_HPZ_FIX": "event",
+    }
     return jobs(args, tmp_path, run_id, env={**knobs, **env})
 
 

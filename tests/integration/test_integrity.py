@@ -27,8 +27,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (Job, JobResult, free_port, of_kind, run_under_trainscout, torchrun_cmd, trainscout_cmd,
-                      unique_run_id)
+from conftest import (
+    Job,
+    JobResult,
+    free_port,
+    of_kind,
+    run_under_trainscout,
+    torchrun_cmd,
+    trainscout_cmd,
+    unique_run_id,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,17 +47,31 @@ REPLAY_LAYERS = ("tokens", "blocks.0", "blocks.1", "norm", "head")  # the demo m
 
 # ---- helpers -------------------------------------------------------------------------------------
 
+
 def _knobs(*, state_period: int = 16, replay_every: int = 0) -> dict[str, str]:
     """The integrity checks' environment, every knob set so an outer environment cannot leak in."""
-    return {"TRAINSCOUT_STATE_CHECK": "1", "TRAINSCOUT_STATE_PERIOD": str(state_period),
-            "TRAINSCOUT_REPLAY_EVERY": str(replay_every), "TRAINSCOUT_REPLAY_BUDGET": "0", "TRAINSCOUT_NONFINITE_BUDGET": "1"}
+    return {
+        "TRAINSCOUT_STATE_CHECK": "1",
+        "TRAINSCOUT_STATE_PERIOD": str(state_period),
+        "TRAINSCOUT_REPLAY_EVERY": str(replay_every),
+        "TRAINSCOUT_REPLAY_BUDGET": "0",
+        "TRAINSCOUT_NONFINITE_BUDGET": "1",
+    }
 
 
-def _run_demo_script(tmp_path: Path, name: str, *, env: dict[str, str], inject: str = "", nproc: int = 4,
-                     train_args: tuple[str, ...] = ()) -> JobResult:
+def _run_demo_script(
+    tmp_path: Path,
+    name: str,
+    *,
+    env: dict[str, str],
+    inject: str = "",
+    nproc: int = 4,
+    train_args: tuple[str, ...] = (),
+) -> JobResult:
     """`trainscout run [--inject SPEC] -- torchrun ... -m trainscout.demo.train TRAIN_ARGS` in env."""
-    launch = torchrun_cmd("--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-                          "-m", "trainscout.demo.train", *train_args)
+    launch = torchrun_cmd(
+        "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", "trainscout.demo.train", *train_args
+    )
     options = ("--inject", inject) if inject else ()
     return run_under_trainscout(tmp_path, name, launch, options=options, timeout=TIMEOUT_S, env=env)
 
@@ -107,8 +129,7 @@ class Listing:
 
 
 def _list_checkpoints(directory: Path) -> Listing:
-    proc = subprocess.run(trainscout_cmd("checkpoints", str(directory)), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(trainscout_cmd("checkpoints", str(directory)), capture_output=True, text=True, timeout=60)
     text = proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     rows = []
@@ -120,7 +141,7 @@ def _list_checkpoints(directory: Path) -> Listing:
     recover = None
     for line in lines:
         if line.startswith("recover from: "):
-            recover = line[len("recover from: "):].split(" (step ", 1)[0]
+            recover = line[len("recover from: ") :].split(" (step ", 1)[0]
     return Listing(proc.returncode, rows, recover, text)
 
 
@@ -136,6 +157,7 @@ def _certificates(directory: Path) -> dict[int, dict]:
 
 
 # ---- 1. replicated-state corruption --------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Corruption:
@@ -174,8 +196,13 @@ REPLAY_EVERY = 2
 @pytest.fixture(scope="module")
 def corruption_job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("corrupt4")
-    return _run_demo_script(tmp, "corrupt4", env=_knobs(state_period=STATE_PERIOD, replay_every=0),
-                            inject=";".join(c.spec() for c in SHARED_JOB), train_args=("--steps", "30"))
+    return _run_demo_script(
+        tmp,
+        "corrupt4",
+        env=_knobs(state_period=STATE_PERIOD, replay_every=0),
+        inject=";".join(c.spec() for c in SHARED_JOB),
+        train_args=("--steps", "30"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -183,18 +210,28 @@ def replay_job(tmp_path_factory):
     """A device that computes wrong (perturb, rank 2) and corrupted state (pct100, rank 1), one job."""
     tmp = tmp_path_factory.mktemp("replay")
     perturb = f"perturb:rank={PERTURB_RANK}:step={PERTURB_STEP}:layer={PERTURB_LAYER}"
-    return _run_demo_script(tmp, "replay", env=_knobs(state_period=STATE_PERIOD, replay_every=REPLAY_EVERY),
-                            inject=f"{perturb};{PCT100.spec()}", train_args=("--steps", "40"))
+    return _run_demo_script(
+        tmp,
+        "replay",
+        env=_knobs(state_period=STATE_PERIOD, replay_every=REPLAY_EVERY),
+        inject=f"{perturb};{PCT100.spec()}",
+        train_args=("--steps", "40"),
+    )
 
 
-@pytest.mark.parametrize("case,job", [(c, "corruption_job") for c in SHARED_JOB] + [(PCT100, "replay_job")],
-                         ids=lambda v: v.name if isinstance(v, Corruption) else None)
+@pytest.mark.parametrize(
+    "case,job",
+    [(c, "corruption_job") for c in SHARED_JOB] + [(PCT100, "replay_job")],
+    ids=lambda v: v.name if isinstance(v, Corruption) else None,
+)
 def test_corrupted_replica_state_is_named_within_one_rotation(case: Corruption, job: str, request):
     result: JobResult = request.getfixturevalue(job)
 
     assert result.returncode == 0, result.describe()
-    assert (f"trainscout-fault: rank {case.rank}: corrupt: {case.how} in {case.named} after step {case.step}"
-            in result.output), result.describe()
+    assert (
+        f"trainscout-fault: rank {case.rank}: corrupt: {case.how} in {case.named} after step {case.step}"
+        in result.output
+    ), result.describe()
     mine = [f for f in _state_findings(result) if case.rank in f["culprit_ranks"]]
     assert len(mine) == 1, result.describe()
     f = mine[0]
@@ -219,10 +256,17 @@ def test_corruption_job_names_each_corrupted_rank_once_and_nothing_else(corrupti
 
 # ---- 2. two replicas detect but cannot attribute --------------------------------------------------
 
+
 def test_two_replicas_detect_state_corruption_but_name_nobody(tmp_path):
     case = Corruption("bitflip-param", 1, 12, "bitflip", "param", "tokens.weight", "tokens.weight")
-    result = _run_demo_script(tmp_path, "corrupt2", nproc=2, env=_knobs(state_period=STATE_PERIOD, replay_every=0),
-                              inject=case.spec(), train_args=("--steps", "30"))
+    result = _run_demo_script(
+        tmp_path,
+        "corrupt2",
+        nproc=2,
+        env=_knobs(state_period=STATE_PERIOD, replay_every=0),
+        inject=case.spec(),
+        train_args=("--steps", "30"),
+    )
 
     assert result.returncode == 0, result.describe()
     assert "trainscout-fault: rank 1: corrupt: bitflip in tokens.weight after step 12" in result.output
@@ -239,6 +283,7 @@ def test_two_replicas_detect_state_corruption_but_name_nobody(tmp_path):
 
 # ---- 3. non-finite origin -------------------------------------------------------------------------
 
+
 def _assert_nonfinite_origin(result: JobResult, rank: int, step: int, what: str) -> None:
     """The only finding: rank `rank` turned non-finite first, at `step` (the step being computed)."""
     assert result.returncode == 0, result.describe()  # NaN training runs on; it does not crash
@@ -249,8 +294,9 @@ def _assert_nonfinite_origin(result: JobResult, rank: int, step: int, what: str)
     assert f["step"] == step, result.describe()
     ev = f["evidence"]
     assert ev["origin_step"] == step, result.describe()
-    assert ev["first_nonfinite"][str(rank)].startswith(f"{what} ") and \
-        ev["first_nonfinite"][str(rank)].endswith(f" at step {step}"), result.describe()
+    assert ev["first_nonfinite"][str(rank)].startswith(f"{what} ") and ev["first_nonfinite"][str(rank)].endswith(
+        f" at step {step}"
+    ), result.describe()
     assert all(s > step for s in ev["later_ranks"].values()), result.describe()
     assert str(rank) not in ev["later_ranks"], result.describe()
 
@@ -258,9 +304,13 @@ def _assert_nonfinite_origin(result: JobResult, rank: int, step: int, what: str)
 def test_nan_in_a_parameter_names_its_rank(tmp_path):
     # NaN written into a weight every forward reads, after step 10: rank 3's loss of step 11 is NaN;
     # the others turn NaN one step later, from the all-reduced gradient.
-    result = _run_demo_script(tmp_path, "nan-param", env=_knobs(),
-                              inject="nan:rank=3:step=10:where=param:tensor=blocks.0.mlp.0.weight",
-                              train_args=("--steps", "30"))
+    result = _run_demo_script(
+        tmp_path,
+        "nan-param",
+        env=_knobs(),
+        inject="nan:rank=3:step=10:where=param:tensor=blocks.0.mlp.0.weight",
+        train_args=("--steps", "30"),
+    )
 
     assert "trainscout-fault: rank 3: nan: NaN in parameter blocks.0.mlp.0.weight after step 10" in result.output
     _assert_nonfinite_origin(result, rank=3, step=11, what="loss")
@@ -268,14 +318,16 @@ def test_nan_in_a_parameter_names_its_rank(tmp_path):
 
 def test_nan_in_a_gradient_names_its_rank_before_the_reduction(tmp_path):
     # the next local gradient of tokens.weight on rank 1 (step 11) is NaN before DDP reduces it
-    result = _run_demo_script(tmp_path, "nan-grad", env=_knobs(), inject="nan:rank=1:step=10:where=grad",
-                              train_args=("--steps", "30"))
+    result = _run_demo_script(
+        tmp_path, "nan-grad", env=_knobs(), inject="nan:rank=1:step=10:where=grad", train_args=("--steps", "30")
+    )
 
     assert "trainscout-fault: rank 1: nan: NaN in the next gradient of tokens.weight after step 10" in result.output
     _assert_nonfinite_origin(result, rank=1, step=11, what="grad tokens.weight")
 
 
 # ---- 4. replay names a device that computes wrong --------------------------------------------------
+
 
 def _replay_steps_of(layer: str, after: int, count: int) -> list[int]:
     """The first `count` replay steps of `layer` after step `after` (replay at every REPLAY_EVERY-th step)."""
@@ -338,9 +390,23 @@ def clean_pair(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(label)
         ckpt = tmp / "checkpoints"
         result = _run_demo_script(
-            tmp, f"clean-{label}", env=_knobs(state_period=4, replay_every=replay_every),
-            train_args=("--steps", str(CLEAN_STEPS), "--seed", "3", "--log-every", "1", *PACE,
-                        "--checkpoint-every", str(CLEAN_CKPT_EVERY), "--checkpoint-dir", str(ckpt)))
+            tmp,
+            f"clean-{label}",
+            env=_knobs(state_period=4, replay_every=replay_every),
+            train_args=(
+                "--steps",
+                str(CLEAN_STEPS),
+                "--seed",
+                "3",
+                "--log-every",
+                "1",
+                *PACE,
+                "--checkpoint-every",
+                str(CLEAN_CKPT_EVERY),
+                "--checkpoint-dir",
+                str(ckpt),
+            ),
+        )
         runs[label] = (result, ckpt)
     return runs
 
@@ -388,8 +454,9 @@ def test_clean_checkpoints_are_certified_once_rotations_completed(clean_pair):
     listing = _list_checkpoints(ckpt)
     assert listing.returncode == 0, listing.text
     statuses = [status for _, _, status, _ in listing.rows]
-    assert [step for _, step, _, _ in listing.rows] == list(range(CLEAN_CKPT_EVERY, CLEAN_STEPS + 1,
-                                                                 CLEAN_CKPT_EVERY)), listing.text
+    assert [step for _, step, _, _ in listing.rows] == list(
+        range(CLEAN_CKPT_EVERY, CLEAN_STEPS + 1, CLEAN_CKPT_EVERY)
+    ), listing.text
     assert statuses[0] in ("certified", "unverified"), listing.text  # saved before a full rotation
     assert statuses[1:] == ["certified"] * (len(statuses) - 1), listing.text
     assert listing.recover == str(ckpt / f"step-{CLEAN_STEPS:06d}.pt"), listing.text
@@ -397,19 +464,24 @@ def test_clean_checkpoints_are_certified_once_rotations_completed(clean_pair):
 
 # ---- 6. checkpoint certificates after a corruption -------------------------------------------------
 
+
 def test_checkpoints_after_a_corruption_are_suspect_and_recovery_picks_one_before_it(tmp_path):
     ckpt = tmp_path / "checkpoints"
     fault_step = 30
     result = _run_demo_script(
-        tmp_path, "ckpt-corrupt", env=_knobs(state_period=4, replay_every=REPLAY_EVERY),
+        tmp_path,
+        "ckpt-corrupt",
+        env=_knobs(state_period=4, replay_every=REPLAY_EVERY),
         inject=f"corrupt:rank=2:step={fault_step}:how=scale",
-        train_args=("--steps", "50", "--checkpoint-every", "10", "--checkpoint-dir", str(ckpt), *PACE))
+        train_args=("--steps", "50", "--checkpoint-every", "10", "--checkpoint-dir", str(ckpt), *PACE),
+    )
 
     assert result.returncode == 0, result.describe()
     assert f"trainscout-fault: rank 2: corrupt: scale in tokens.weight after step {fault_step}" in result.output
     # every finding is integrity evidence against rank 2 (state check, and replay seeing its parameters)
-    assert result.findings and all(f["kind"] == "sdc" and f["culprit_ranks"] == [2] for f in result.findings), \
+    assert result.findings and all(f["kind"] == "sdc" and f["culprit_ranks"] == [2] for f in result.findings), (
         result.describe()
+    )
     state = _state_findings(result)
     assert len(state) == 1 and state[0]["evidence"]["tensor"] == "tokens.weight", result.describe()
     assert fault_step < state[0]["step"] <= fault_step + 4 + 2, result.describe()
@@ -447,20 +519,50 @@ def test_checkpoints_after_a_corruption_are_suspect_and_recovery_picks_one_befor
 
 # ---- 4b. replay on command ----------------------------------------------------------------------
 
+
 def test_replay_on_command_names_the_rank_that_computes_the_requested_layer_wrong(tmp_path):
     """`trainscout replay RUN_DIR --layer L` while the job runs: no scheduled replay falls in this job
     (every 1000 steps), so the one finding can only come from the replay asked for."""
     run_id = unique_run_id("replay-cmd")
-    launch = torchrun_cmd("--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trainscout.demo.train",
-                          "--steps", "400", "--slow-ms", "20")
+    launch = torchrun_cmd(
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        "400",
+        "--slow-ms",
+        "20",
+    )
     perturb = f"perturb:rank={PERTURB_RANK}:step={PERTURB_STEP}:layer={PERTURB_LAYER}"
-    job = Job(trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain",
-                             "--inject", perturb, "--", *launch), tmp_path, run_id,
-              env=_knobs(state_period=STATE_PERIOD, replay_every=1000))
+    job = Job(
+        trainscout_cmd(
+            "run",
+            "--run-dir",
+            str(tmp_path),
+            "--run-id",
+            run_id,
+            "--console",
+            "plain",
+            "--inject",
+            perturb,
+            "--",
+            *launch,
+        ),
+        tmp_path,
+        run_id,
+        env=_knobs(state_period=STATE_PERIOD, replay_every=1000),
+    )
     try:
         job.wait_for_launcher_text("step 20 loss", timeout=TIMEOUT_S)
-        asked = subprocess.run(trainscout_cmd("replay", str(job.run_path), "--layer", PERTURB_LAYER),
-                               capture_output=True, text=True, timeout=60)
+        asked = subprocess.run(
+            trainscout_cmd("replay", str(job.run_path), "--layer", PERTURB_LAYER),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert asked.returncode == 0, asked.stderr
         result = job.wait(TIMEOUT_S)
     finally:

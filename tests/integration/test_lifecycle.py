@@ -42,10 +42,14 @@ def test_exit_code_of_the_command_is_passed_through(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_the_job_and_every_trainscout_process(jobs, tmp_path):
     run_id = unique_run_id("ctrlc")
-    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()),
-                          "-m", "trainscout.demo.train", "--steps", "100000")
-    job = jobs(trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain",
-                              "--", *launch), tmp_path, run_id)
+    launch = torchrun_cmd(
+        "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", "100000"
+    )
+    job = jobs(
+        trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain", "--", *launch),
+        tmp_path,
+        run_id,
+    )
     job.wait_for_launcher_text("step 10")
     tools = [c for c in psutil.Process(job.pid).children(recursive=True)]
     assert len(processes_of_run(run_id)) >= 3, "launcher and 2 ranks should be running"
@@ -77,8 +81,7 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainscout", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "trainscout", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_run_without_a_command_is_a_usage_error(tmp_path):
@@ -106,10 +109,16 @@ def test_a_run_id_in_use_by_a_running_job_is_refused_and_that_job_is_left_alone(
     folder, or the folder deleted) would overwrite its channels, and at its own exit remove them and
     SIGKILL that run's ranks as its leftovers; it must be refused before anything starts."""
     run_id = unique_run_id("busy")
-    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()),
-                          "-m", "trainscout.demo.train", "--steps", "100000")
-    first = jobs(trainscout_cmd("run", "--run-dir", str(tmp_path / "a"), "--run-id", run_id, "--console", "plain",
-                                "--", *launch), tmp_path / "a", run_id)
+    launch = torchrun_cmd(
+        "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", "100000"
+    )
+    first = jobs(
+        trainscout_cmd(
+            "run", "--run-dir", str(tmp_path / "a"), "--run-id", run_id, "--console", "plain", "--", *launch
+        ),
+        tmp_path / "a",
+        run_id,
+    )
     first.wait_for_launcher_text("step 10")
     ranks = set(processes_of_run(run_id))
     # the ring channels, by inode: a second run that re-created them would give new inodes. Sidecar JSONs are
@@ -123,8 +132,9 @@ def test_a_run_id_in_use_by_a_running_job_is_refused_and_that_job_is_left_alone(
     assert "rank 0 (pid " in done.stderr and "rank 1 (pid " in done.stderr, done.stderr
     assert not (tmp_path / "b" / run_id).exists(), "nothing of the second run should be started or written"
     assert ranks <= set(processes_of_run(run_id)), "the first run's processes must be untouched"
-    assert {name: os.stat(f"/dev/shm/{name}").st_ino for name in rings} == rings, \
+    assert {name: os.stat(f"/dev/shm/{name}").st_ino for name in rings} == rings, (
         "the first run's channels must be untouched"
+    )
     assert first.proc.poll() is None, first.output()[-4000:]
 
 
@@ -139,11 +149,31 @@ def test_bad_inject_spec_is_a_usage_error_naming_the_token(tmp_path):
 def test_monitors_run_at_a_lower_priority_than_the_job(tmp_path):
     """The agent and coordinator take --monitor-nice on top of the job's niceness."""
     bad = _cli("run", "--run-dir", str(tmp_path / "bad"), "--monitor-nice", "20", "--", PY, "-c", "pass")
-    assert bad.returncode == 2 and "run.monitor_nice (--monitor-nice) = 20: expected an integer >= 0, <= 19" in bad.stderr, bad
+    assert (
+        bad.returncode == 2 and "run.monitor_nice (--monitor-nice) = 20: expected an integer >= 0, <= 19" in bad.stderr
+    ), bad
     run_dir = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-m", "trainscout", "run", "--console", "plain", "--monitor-nice",
-                             "10", "--run-dir", str(run_dir), "--", PY, "-c", "import time; time.sleep(6)"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainscout",
+            "run",
+            "--console",
+            "plain",
+            "--monitor-nice",
+            "10",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            PY,
+            "-c",
+            "import time; time.sleep(6)",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     want = min(19, psutil.Process().nice() + 10)
     try:
         seen: dict[str, int] = {}  # the latest niceness read (a monitor lowers its own once it has started)

@@ -25,21 +25,46 @@ def _start_two_nodes(jobs, tmp_path, name: str, options: tuple[str, ...] = ()):
     for node in (0, 1):
         node_run_id = run_id if node == 0 else f"{run_id}-n1"
         root = tmp_path / f"node{node}"
-        launch = torchrun_cmd("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
-                              "--master-addr", "127.0.0.1", "--master-port", master_port,
-                              "-m", "trainscout.demo.train", "--steps", "40")
-        args = trainscout_cmd("run", "--run-dir", str(root), "--run-id", node_run_id, "--console", "plain",
-                              "--coordinator-addr", coordinator, *options)
+        launch = torchrun_cmd(
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            master_port,
+            "-m",
+            "trainscout.demo.train",
+            "--steps",
+            "40",
+        )
+        args = trainscout_cmd(
+            "run",
+            "--run-dir",
+            str(root),
+            "--run-id",
+            node_run_id,
+            "--console",
+            "plain",
+            "--coordinator-addr",
+            coordinator,
+            *options,
+        )
         if node == 1:
             args += ["--node-rank", "1"]
-        started.append(jobs(args + ["--", *launch], root, node_run_id, env=env,
-                            node_suffix="" if node == 0 else "-node1"))
+        started.append(
+            jobs(args + ["--", *launch], root, node_run_id, env=env, node_suffix="" if node == 0 else "-node1")
+        )
     return started
 
 
 def test_hang_on_the_second_node_is_named_by_the_first(jobs, tmp_path):
-    node0, node1 = _start_two_nodes(jobs, tmp_path, "mn-hang",
-                                    ("--inject", "hang:rank=3:step=15", "--abort-on", "hang"))
+    node0, node1 = _start_two_nodes(
+        jobs, tmp_path, "mn-hang", ("--inject", "hang:rank=3:step=15", "--abort-on", "hang")
+    )
     r0 = node0.wait(JOB_TIMEOUT_S)
     r1 = node1.wait(JOB_TIMEOUT_S)
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 40
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
     import torch.distributed as dist
@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent('''
         json.dump({"descs": descs}, fh)
     dist.destroy_process_group()
     os._exit(0)  # results are written; skip torch's gloo teardown, which sometimes aborts
-''')
+""")
 
 
 def test_reduce_op_objects_are_described_alike_on_every_rank(tmp_path):
@@ -59,12 +59,14 @@ def test_reduce_op_objects_are_described_alike_on_every_rank(tmp_path):
     script.write_text(SCRIPT)
     out = tmp_path / "descs"
     out.mkdir()
-    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(out),
-                          str(STEPS))
+    launch = torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(out), str(STEPS))
     result = run_under_trainscout(tmp_path, "reduce-ops", launch)
 
     assert result.returncode == 0, result.describe()
     assert result.findings == [], result.describe()
     descs = [json.loads((out / f"rank{rank}.json").read_text())["descs"] for rank in (0, 1)]
-    assert descs[0] == descs[1] == ["all_reduce Float[1, 4] op=SUM", "all_reduce Float[1] op=MAX",
-                                    "all_reduce Float[1] op=SUM"], (descs, result.describe())
+    assert (
+        descs[0]
+        == descs[1]
+        == ["all_reduce Float[1, 4] op=SUM", "all_reduce Float[1] op=MAX", "all_reduce Float[1] op=SUM"]
+    ), (descs, result.describe())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 110
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
     import torch.distributed as dist
@@ -52,15 +51,25 @@ SCRIPT = textwrap.dedent('''
     # torch's own interpreter teardown after a gloo job sometimes aborts (SIGABRT, ~1 run in 10, with or
     # without trainscout): every collective is done and the results are written, so skip it
     os._exit(0)
-''')
+""")
 
 
 def _run(tmp_path, budget: float) -> list[dict]:
     script = tmp_path / "replay_job.py"
     script.write_text(SCRIPT)
     out = str(tmp_path / f"b{budget}-{{rank}}.json")
-    cmd = torchrun_cmd("--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                       str(script), out, str(budget), str(STEPS))
+    cmd = torchrun_cmd(
+        "--nproc-per-node",
+        "3",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        out,
+        str(budget),
+        str(STEPS),
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return [json.loads(open(out.format(rank=r)).read()) for r in range(3)]

@@ -18,8 +18,20 @@ pytestmark = pytest.mark.slow
 
 
 def _demo(tmp_path, name: str, inject: str, steps: int, *script_args: str):
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-              str(free_port()), "-m", "trainscout.demo.train", "--steps", str(steps), *script_args]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainscout.demo.train",
+        "--steps",
+        str(steps),
+        *script_args,
+    ]
     return run_under_trainscout(tmp_path, name, launch, options=("--inject", inject))
 
 
@@ -67,8 +79,9 @@ def test_data_loader_stall_is_named_with_the_training_code_that_waits(tmp_path):
 
 def test_checkpoint_write_stall_is_named_with_the_training_code_that_saves(tmp_path):
     ckpt = tmp_path / "ckpt"
-    result = _demo(tmp_path, "ckpt", "ckptslow:rank=1:step=5:ms=300", 60,
-                   "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt))
+    result = _demo(
+        tmp_path, "ckpt", "ckptslow:rank=1:step=5:ms=300", 60, "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt)
+    )
     assert result.returncode == 0, result.describe()
     (f,) = _stragglers(result, "checkpoint_write")
     assert f["culprit_ranks"] == [1], result.describe()

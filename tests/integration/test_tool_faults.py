@@ -26,8 +26,21 @@ STEPS = 120  # 6-20 s of training (50-150 ms/step): the job runs well past the t
 
 def _demo_job(jobs, tmp_path, name: str, steps: int = STEPS, env: dict | None = None) -> Job:
     run_id = unique_run_id(name)
-    args = trainscout_cmd("demo", "--fault", "none", "--steps", str(steps), "--master-port", str(free_port()),
-                          "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain")
+    args = trainscout_cmd(
+        "demo",
+        "--fault",
+        "none",
+        "--steps",
+        str(steps),
+        "--master-port",
+        str(free_port()),
+        "--run-dir",
+        str(tmp_path),
+        "--run-id",
+        run_id,
+        "--console",
+        "plain",
+    )
     return jobs(args, tmp_path, run_id, env=env)
 
 
@@ -39,8 +52,7 @@ def _child_running(job: Job, module: str) -> psutil.Process:
     return found[0]
 
 
-@pytest.mark.parametrize("component,module", [("agent", "trainscout.agent"),
-                                              ("coordinator", "trainscout.coordinator")])
+@pytest.mark.parametrize("component,module", [("agent", "trainscout.agent"), ("coordinator", "trainscout.coordinator")])
 def test_training_survives_a_killed_tool_process(jobs, tmp_path, component, module):
     job = _demo_job(jobs, tmp_path, f"kill-{component}")
     job.wait_for_launcher_text("step 10")
@@ -72,9 +84,27 @@ def test_state_last_reported_by_a_dead_agent_is_not_judged_as_a_hang(jobs, tmp_p
     --abort-on, killing a healthy job) would be wrong.
     """
     run_id = unique_run_id("stale")
-    args = trainscout_cmd("demo", "--fault", "slow", "--rank", "1", "--step", "0", "--param", "ms=300",
-                          "--steps", "50", "--master-port", str(free_port()), "--run-dir", str(tmp_path),
-                          "--run-id", run_id, "--console", "plain")
+    args = trainscout_cmd(
+        "demo",
+        "--fault",
+        "slow",
+        "--rank",
+        "1",
+        "--step",
+        "0",
+        "--param",
+        "ms=300",
+        "--steps",
+        "50",
+        "--master-port",
+        str(free_port()),
+        "--run-dir",
+        str(tmp_path),
+        "--run-id",
+        run_id,
+        "--console",
+        "plain",
+    )
     job = jobs(args, tmp_path, run_id)
     job.wait_for_launcher_text("step 10")
     victim = _child_running(job, "trainscout.agent")
@@ -109,14 +139,14 @@ def test_coordinator_drops_and_counts_garbage_and_keeps_working(jobs, tmp_path):
     sock.connect(address)
     try:
         sent = [
-            ("frames", [b"\x00garbage\xff" * 7]),                                   # a single frame
-            ("frames", [b"one", b"two"]),                                          # too few frames
-            ("version", [os.urandom(3), os.urandom(32), os.urandom(100)]),          # random bytes
-            ("mac", [hello[0], hello[1], hello[2][:-3]]),                          # truncated in transit
+            ("frames", [b"\x00garbage\xff" * 7]),  # a single frame
+            ("frames", [b"one", b"two"]),  # too few frames
+            ("version", [os.urandom(3), os.urandom(32), os.urandom(100)]),  # random bytes
+            ("mac", [hello[0], hello[1], hello[2][:-3]]),  # truncated in transit
             ("mac", forged.encode(Hello(node_id="forged", host="x", agent_pid=1))),  # wrong secret
-            ("malformed", [VERSION, good._mac(hello[2][:-3]), hello[2][:-3]]),     # signed, undecodable
+            ("malformed", [VERSION, good._mac(hello[2][:-3]), hello[2][:-3]]),  # signed, undecodable
             ("malformed", [VERSION, good._mac(b"\x93\x01\x02\x03"), b"\x93\x01\x02\x03"]),  # not a message
-            ("oversize", [VERSION, b"\x00" * 32, b"\x00" * (17 * 1024 * 1024)]),      # > 16 MiB payload
+            ("oversize", [VERSION, b"\x00" * 32, b"\x00" * (17 * 1024 * 1024)]),  # > 16 MiB payload
         ]
         for _, frames in sent:
             sock.send_multipart(frames)

@@ -10,8 +10,7 @@ from trainscout.probe.budget import fit_stride
 MAX = 64
 
 
-@given(st.sampled_from([1 << k for k in range(7)]), st.floats(1e-7, 1.0), st.floats(1e-4, 0.5),
-       st.floats(1e-3, 10.0))
+@given(st.sampled_from([1 << k for k in range(7)]), st.floats(1e-7, 1.0), st.floats(1e-4, 0.5), st.floats(1e-3, 10.0))
 def test_the_stride_keeps_the_check_within_half_its_budget_unless_capped(stride, cost_s, budget, wall_s):
     new = fit_stride(stride, cost_s, budget, wall_s, MAX)
     assert 1 <= new <= MAX and new & (new - 1) == 0  # a power of two: its steps are every larger stride's too

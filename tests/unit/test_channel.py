@@ -11,8 +11,16 @@ from trainscout.channel.writer import ChannelWriter
 
 
 def _record(i: int) -> tuple:
-    return (i % 7, 1000 + i, (2**64 - 1) - i, 2**63 + i, 1_700_000_000_000_000_000 + i, i // 3,
-            f"op{i}", "desc " * (i % 40))
+    return (
+        i % 7,
+        1000 + i,
+        (2**64 - 1) - i,
+        2**63 + i,
+        1_700_000_000_000_000_000 + i,
+        i // 3,
+        f"op{i}",
+        "desc " * (i % 40),
+    )
 
 
 def test_records_read_back_as_written_across_a_ring_wrap():
@@ -26,8 +34,14 @@ def test_records_read_back_as_written_across_a_ring_wrap():
         got = reader.new_records()
         assert len(got) == 10 and reader.lost == 0
         for row, rec in zip(got, first):
-            assert (int(row["pg_index"]), int(row["seq"]), int(row["entry_hash"]), int(row["rolling_hash"]),
-                    int(row["wall_ns"]), int(row["step"])) == rec[:6]
+            assert (
+                int(row["pg_index"]),
+                int(row["seq"]),
+                int(row["entry_hash"]),
+                int(row["rolling_hash"]),
+                int(row["wall_ns"]),
+                int(row["step"]),
+            ) == rec[:6]
             assert row["op"].decode() == rec[6] and row["desc"].decode() == rec[7].encode()[:120].decode()
             assert int(row["lock"]) % 2 == 0 and int(row["lock"]) > 0
         # lap the ring: the reader keeps the newest RING_SLOTS - 1 and counts the rest as lost

@@ -22,12 +22,15 @@ def test_demo_help_lists_every_fault_and_its_verdict(capsys):
     assert "Exits 0 when trainscout named the injected fault" in text
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["demo", "--rank", "7"], "rank 7 is not in a 4-rank demo"),
-    (["demo", "--step", "500"], "hang at step 500 would never fire: the demo trains 100 steps"),
-    (["demo", "--fault", "corrupt", "--step", "450"], "the demo trains 400 steps"),
-    (["demo", "--fault", "bogus"], "unknown kind 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["demo", "--rank", "7"], "rank 7 is not in a 4-rank demo"),
+        (["demo", "--step", "500"], "hang at step 500 would never fire: the demo trains 100 steps"),
+        (["demo", "--fault", "corrupt", "--step", "450"], "the demo trains 400 steps"),
+        (["demo", "--fault", "bogus"], "unknown kind 'bogus'"),
+    ],
+)
 def test_a_demo_fault_that_cannot_fire_is_refused_before_anything_starts(argv, message, capsys):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err

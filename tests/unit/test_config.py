@@ -24,23 +24,37 @@ def test_a_flag_beats_the_environment_which_beats_the_file_which_beats_the_defau
     assert (cfg.checks.replay.every, src["checks.replay.every"]) == (200, "default")
 
 
-@pytest.mark.parametrize("text,value", [("1", True), ("true", True), ("Yes", True), ("on", True), ("0", False),
-                                        ("false", False), ("NO", False), ("off", False)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("1", True),
+        ("true", True),
+        ("Yes", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("NO", False),
+        ("off", False),
+    ],
+)
 def test_switches_read_every_usual_spelling(text, value):
     cfg, _ = config.load(environ={"TRAINSCOUT_STATE_CHECK": text}, toml_path=None)
     assert cfg.checks.state.enabled is value
 
 
-@pytest.mark.parametrize("env,named", [
-    ({"TRAINSCOUT_STATE_CHECK": "maybe"}, "checks.state.enabled"),
-    ({"TRAINSCOUT_STATE_BUDGET": "abc"}, "checks.state.budget"),
-    ({"TRAINSCOUT_STATE_BUDGET": "2"}, "checks.state.budget"),
-    ({"TRAINSCOUT_HANG_TIMEOUT": "0"}, "run.hang_timeout"),
-    ({"TRAINSCOUT_HANG_TIMEOUT": "nan"}, "run.hang_timeout"),
-    ({"TRAINSCOUT_REPLAY_EVERY": "1.5"}, "checks.replay.every"),
-    ({"TRAINSCOUT_MONITOR_NICE": "20"}, "run.monitor_nice"),
-    ({"TRAINSCOUT_HPZ_FIX": "fast"}, "checks.hpz.fix"),
-])
+@pytest.mark.parametrize(
+    "env,named",
+    [
+        ({"TRAINSCOUT_STATE_CHECK": "maybe"}, "checks.state.enabled"),
+        ({"TRAINSCOUT_STATE_BUDGET": "abc"}, "checks.state.budget"),
+        ({"TRAINSCOUT_STATE_BUDGET": "2"}, "checks.state.budget"),
+        ({"TRAINSCOUT_HANG_TIMEOUT": "0"}, "run.hang_timeout"),
+        ({"TRAINSCOUT_HANG_TIMEOUT": "nan"}, "run.hang_timeout"),
+        ({"TRAINSCOUT_REPLAY_EVERY": "1.5"}, "checks.replay.every"),
+        ({"TRAINSCOUT_MONITOR_NICE": "20"}, "run.monitor_nice"),
+        ({"TRAINSCOUT_HPZ_FIX": "fast"}, "checks.hpz.fix"),
+    ],
+)
 def test_a_bad_value_is_refused_with_the_setting_and_what_it_accepts(env, named):
     with pytest.raises(config.ConfigError, match=re.escape(named) + ".*expected"):
         config.load(environ=env, toml_path=None)
@@ -77,6 +91,9 @@ def test_no_module_reads_a_setting_from_the_environment_itself():
     silently defaulted numbers came about."""
     names = "|".join(re.escape(s.env) for s in config.SETTINGS.values())
     raw = re.compile(r"environ(\.get)?\s*[\[(]\s*[\"'](" + names + r")[\"']")
-    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "src").rglob("*.py")
-                 if p.name != "config.py" and raw.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "src").rglob("*.py")
+        if p.name != "config.py" and raw.search(p.read_text())
+    ]
     assert offenders == []

@@ -151,6 +151,7 @@ def test_array_vote_rejects_bad_input():
 
 # ---------------------------------------------------------------- exact vote properties
 
+
 @st.composite
 def class_evidence(draw, min_size: int = 0, max_size: int = 20) -> dict[int, int]:
     members = draw(st.lists(st.integers(0, 10_000), min_size=min_size, max_size=max_size, unique=True))

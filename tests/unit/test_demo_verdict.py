@@ -20,13 +20,16 @@ def test_the_injected_hang_named_on_its_rank_passes_whatever_the_stopped_job_ret
     assert "exit status: 1" in v.lines[-1]
 
 
-@pytest.mark.parametrize("findings,why", [
-    ([], "no finding"),
-    ([_finding("hang", [1])], "another rank"),
-    ([_finding("hang", [1, 2])], "more ranks than the injected one"),
-    ([_finding("stall", [])], "another kind"),
-    ([_finding("hang", [2], status="inconclusive")], "not attributed"),
-])
+@pytest.mark.parametrize(
+    "findings,why",
+    [
+        ([], "no finding"),
+        ([_finding("hang", [1])], "another rank"),
+        ([_finding("hang", [1, 2])], "more ranks than the injected one"),
+        ([_finding("stall", [])], "another kind"),
+        ([_finding("hang", [2], status="inconclusive")], "not attributed"),
+    ],
+)
 def test_anything_but_the_injected_kind_on_exactly_the_injected_rank_fails(findings, why):
     v = judge(parse_faults("hang:rank=2:step=20"), findings, job_exit=1)
     assert v.ok is False, why
@@ -100,10 +103,16 @@ def test_a_pause_on_one_rank_is_a_hang_only_when_longer_than_the_hang_timeout():
     assert v.ok is None and "pause seconds=2 on rank 1" in v.lines[0] and "not a hang" in v.lines[0]
 
 
-@pytest.mark.parametrize("fault,kind", [
-    ("delay", "straggler"), ("delay:how=data:every=3", "straggler"), ("starve", "straggler"),
-    ("gradnoise:how=activation", "sdc"), ("outflip:how=patch", "sdc"),
-])
+@pytest.mark.parametrize(
+    "fault,kind",
+    [
+        ("delay", "straggler"),
+        ("delay:how=data:every=3", "straggler"),
+        ("starve", "straggler"),
+        ("gradnoise:how=activation", "sdc"),
+        ("outflip:how=patch", "sdc"),
+    ],
+)
 def test_the_drills_expect_the_finding_of_what_they_break(fault, kind):
     specs = parse_faults(f"{fault}:rank=1:step=30")
     assert expected_kind(specs[0]) == kind

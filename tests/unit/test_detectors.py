@@ -26,15 +26,23 @@ WORLD = [0, 1, 2, 3]
 
 def record(seq: int, desc: str = "all_reduce Float[4]", op: str = "all_reduce", rolling: int = 0) -> CollectiveRecord:
     sig = (desc,)
-    return CollectiveRecord(seq=seq, op=op, desc=desc, entry_hash=protocol.entry_hash(sig),
-                            rolling_hash=rolling, wall_ns=0, step=0)
+    return CollectiveRecord(
+        seq=seq, op=op, desc=desc, entry_hash=protocol.entry_hash(sig), rolling_hash=rolling, wall_ns=0, step=0
+    )
 
 
 def native(seq: int, desc: str = "") -> CollectiveRecord:
     """A collective issued outside Python: a placeholder (desc "") or as the Flight Recorder described it."""
-    return CollectiveRecord(seq=seq, op="all_reduce" if desc else "", desc=desc,
-                            entry_hash=protocol.entry_hash((desc,)) if desc else 0, rolling_hash=0, wall_ns=0,
-                            step=0, native=True)
+    return CollectiveRecord(
+        seq=seq,
+        op="all_reduce" if desc else "",
+        desc=desc,
+        entry_hash=protocol.entry_hash((desc,)) if desc else 0,
+        rolling_hash=0,
+        wall_ns=0,
+        step=0,
+        native=True,
+    )
 
 
 def chain(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
@@ -48,19 +56,39 @@ def chain(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
 def pg(seq: int, records=None, name: str = "0", members=WORLD, age: float = 0.0) -> PgState:
     records = chain(records if records is not None else [record(s) for s in range(1, seq + 1)])
     chained = [r for r in records if r.rolling_hash]
-    return PgState(name=name, desc="default_pg", members=list(members), seq=seq,
-                   rolling_hash=chained[-1].rolling_hash if chained else 0, anchors=[],
-                   recent=records[-4:], seq_age_s=age, chained_seq=chained[-1].seq if chained else 0)
+    return PgState(
+        name=name,
+        desc="default_pg",
+        members=list(members),
+        seq=seq,
+        rolling_hash=chained[-1].rolling_hash if chained else 0,
+        anchors=[],
+        recent=records[-4:],
+        seq_age_s=age,
+        chained_seq=chained[-1].seq if chained else 0,
+    )
 
 
 def obs(rank: int, pgs, *, progress_age=0.0, heartbeat_age=0.0, step=10, exit=None, seen_at=100.0, **extra) -> RankObs:
-    st = RankState(rank=rank, local_rank=rank, world_size=4, pid=1000 + rank, alive=exit is None, step=step,
-                   heartbeat_age_s=heartbeat_age, progress_age_s=progress_age, collectives=0, pgs=pgs, exit=exit,
-                   **extra)
+    st = RankState(
+        rank=rank,
+        local_rank=rank,
+        world_size=4,
+        pid=1000 + rank,
+        alive=exit is None,
+        step=step,
+        heartbeat_age_s=heartbeat_age,
+        progress_age_s=progress_age,
+        collectives=0,
+        pgs=pgs,
+        exit=exit,
+        **extra,
+    )
     return RankObs(state=st, host="h", seen_at=seen_at)
 
 
 # ---- hang ---------------------------------------------------------------------------------------------
+
 
 def test_hang_names_the_rank_that_never_entered_the_collective():
     ranks = {r: obs(r, [pg(45 if r != 2 else 44)], progress_age=6.0) for r in WORLD}
@@ -85,8 +113,9 @@ def test_stall_after_stall_timeout_blames_nobody():
 
 
 def test_starved_probe_thread_is_reported_as_gil_or_frozen():
-    ranks = {r: obs(r, [pg(45 if r != 3 else 40)], progress_age=6.0, heartbeat_age=6.0 if r == 3 else 0.1)
-             for r in WORLD}
+    ranks = {
+        r: obs(r, [pg(45 if r != 3 else 40)], progress_age=6.0, heartbeat_age=6.0 if r == 3 else 0.1) for r in WORLD
+    }
     (s,) = HangDetector().update(100.0, ranks)
     assert s.finding.culprit_ranks == [3] and s.finding.evidence["starved_ranks"] == [3]
 
@@ -99,8 +128,8 @@ def test_two_ranks_can_detect_but_not_attribute_a_hang():
 
 def test_rank_waiting_on_another_group_is_a_process_group_desync():
     def pgs(r):
-        return [pg(45 if r != 2 else 44), pg(1 if r == 2 else 0, name="1",
-                                             records=[record(1)] if r == 2 else [])]
+        return [pg(45 if r != 2 else 44), pg(1 if r == 2 else 0, name="1", records=[record(1)] if r == 2 else [])]
+
     ranks = {r: obs(r, pgs(r), progress_age=6.0) for r in WORLD}
     (s,) = HangDetector().update(100.0, ranks)
     assert (s.finding.kind, s.finding.culprit_ranks) == ("desync", [2])
@@ -108,6 +137,7 @@ def test_rank_waiting_on_another_group_is_a_process_group_desync():
 
 
 # ---- desync -------------------------------------------------------------------------------------------
+
 
 def _stream(odd: bool):
     recs = [record(s) for s in range(1, 45)]
@@ -157,8 +187,13 @@ def test_native_collectives_described_differently_name_the_minority_of_those_des
     ranks = {r: obs(r, [pg(45, _mixed(r, desc))]) for r in WORLD}
     (f,), fetches = DesyncDetector().update(ranks)
     assert fetches == []
-    assert (f.kind, f.status, f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == \
-        ("desync", "attributed", [2], 45, "shape")
+    assert (f.kind, f.status, f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == (
+        "desync",
+        "attributed",
+        [2],
+        45,
+        "shape",
+    )
 
 
 def test_a_python_collective_where_peers_issued_a_native_one_is_named():
@@ -172,6 +207,7 @@ def test_old_deviation_outside_the_window_is_pulled_then_named():
     def stream(odd):
         recs = [record(s, "all_reduce Float[8]" if (odd and s == 10) else "all_reduce Float[4]") for s in range(1, 46)]
         return recs
+
     ranks = {r: obs(r, [pg(45, stream(r == 3))]) for r in WORLD}
     det = DesyncDetector()
     findings, (req,) = det.update(ranks)
@@ -184,8 +220,10 @@ def test_old_deviation_outside_the_window_is_pulled_then_named():
 def test_a_pull_that_comes_back_without_the_deviation_is_retried():
     """An agent busy elsewhere (capturing stacks) answers a pull too late: the deadline resolves it with a
     rank's records missing. The group must stay checked, not be given up for the rest of the run."""
+
     def stream(odd):
         return [record(s, "all_reduce Float[8]" if (odd and s == 10) else "all_reduce Float[4]") for s in range(1, 46)]
+
     ranks = {r: obs(r, [pg(45, stream(r == 3))]) for r in WORLD}
     det = DesyncDetector()
     _, (req,) = det.update(ranks)
@@ -200,6 +238,7 @@ def test_a_pull_that_comes_back_without_the_deviation_is_retried():
 def test_pulls_that_never_find_the_deviation_stop():
     def stream(odd):
         return [record(s, "all_reduce Float[8]" if (odd and s == 10) else "all_reduce Float[4]") for s in range(1, 46)]
+
     ranks = {r: obs(r, [pg(45, stream(r == 3))]) for r in WORLD}
     det = DesyncDetector()
     pulls = 0
@@ -213,6 +252,7 @@ def test_pulls_that_never_find_the_deviation_stop():
 
 
 # ---- exits --------------------------------------------------------------------------------------------
+
 
 def _exit(how, code=None, sig=None, msg="", step=20, age=0.0):
     return RankExit(how=how, code=code, signal=sig, message=msg, step=step, age_s=age)
@@ -236,8 +276,10 @@ def test_clean_end_of_training_gives_no_finding():
 
 
 def test_clean_exit_while_peers_issue_more_collectives_and_fail_is_early_exit():
-    ranks = {r: obs(r, [pg(46)], exit=_exit("exception", 1, msg="Connection closed by peer"), seen_at=101.0)
-             for r in (0, 1, 3)}
+    ranks = {
+        r: obs(r, [pg(46)], exit=_exit("exception", 1, msg="Connection closed by peer"), seen_at=101.0)
+        for r in (0, 1, 3)
+    }
     ranks[2] = obs(2, [pg(45)], exit=_exit("exit", 0), seen_at=100.0)
     (f,) = ExitDetector().update(103.0, ranks, {}, launcher_done=True)
     assert (f.kind, f.culprit_ranks) == ("early_exit", [2])
@@ -249,6 +291,7 @@ def test_only_teardown_signals_blame_nobody():
 
 
 # ---- replicated state, non-finite, replay ----------------------------------------------------------------
+
 
 def test_replicated_state_names_the_corrupted_replica_once():
     det = ReplicaStateDetector()
@@ -310,14 +353,24 @@ def test_replay_with_different_parameters_is_state_corruption_not_a_faulty_devic
     det = ReplayDetector()
     for step in (5, 25):
         for r in WORLD:
-            det.add(r, [ReplayRecord(step=step, layer="tokens", output=1 if r != 2 else 2, grads=3,
-                                     params=10 if r != 2 else 11)], 0.0)
+            det.add(
+                r,
+                [
+                    ReplayRecord(
+                        step=step, layer="tokens", output=1 if r != 2 else 2, grads=3, params=10 if r != 2 else 11
+                    )
+                ],
+                0.0,
+            )
     findings = det.update(1.0, WORLD)
     assert [(f.kind, f.culprit_ranks, f.evidence["differs_in"]) for f in findings] == [
-        ("sdc", [2], "parameters"), ("sdc", [2], "parameters")]
+        ("sdc", [2], "parameters"),
+        ("sdc", [2], "parameters"),
+    ]
 
 
 # ---- stragglers -------------------------------------------------------------------------------------------
+
 
 def _steps(det, first, last, cpu_of, data_of=lambda r, s: 0.001):
     import random
@@ -326,8 +379,11 @@ def _steps(det, first, last, cpu_of, data_of=lambda r, s: 0.001):
     for step in range(first, last + 1):
         for r in WORLD:
             noise = 1 + rng.uniform(-0.03, 0.03)
-            det.add(r, [StepRecord(step=step, wall_s=0.1, cpu_s=cpu_of(r, step) * noise, data_s=data_of(r, step),
-                                   ckpt_s=0.0)], 0.0)
+            det.add(
+                r,
+                [StepRecord(step=step, wall_s=0.1, cpu_s=cpu_of(r, step) * noise, data_s=data_of(r, step), ckpt_s=0.0)],
+                0.0,
+            )
 
 
 def test_compute_straggler_is_named_with_its_slowdown():

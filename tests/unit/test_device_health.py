@@ -39,24 +39,58 @@ def _gpus(n: int) -> list[str]:
     return [f"h0:gpu{i}" for i in range(n)]
 
 
-def _healthy(gpu: str, t: float, rng: random.Random, *, temp_offset: float = 0.0, idle: bool = False,
-             clock_bias: float = 0.0, **over) -> GpuSample:
+def _healthy(
+    gpu: str,
+    t: float,
+    rng: random.Random,
+    *,
+    temp_offset: float = 0.0,
+    idle: bool = False,
+    clock_bias: float = 0.0,
+    **over,
+) -> GpuSample:
     """A busy (or idle) healthy H200 as NVML shows it during training: boost clock with power-cap dips,
     power swinging with the step's phases, temperature by slot position plus noise."""
     if idle:
-        values = dict(sm_clock_mhz=345, throttle_mask=0x1, throttle_reasons=("gpu_idle",), gpu_util_pct=0,
-                      power_w=rng.uniform(80, 120), temperature_c=round(38 + temp_offset + rng.gauss(0, 1)))
+        values = dict(
+            sm_clock_mhz=345,
+            throttle_mask=0x1,
+            throttle_reasons=("gpu_idle",),
+            gpu_util_pct=0,
+            power_w=rng.uniform(80, 120),
+            temperature_c=round(38 + temp_offset + rng.gauss(0, 1)),
+        )
     else:
         dip = rng.random() < 0.3
         clock = rng.choice([1755, 1830, 1905]) if dip else 1980
         clock = round(clock * (1 - clock_bias))
-        values = dict(sm_clock_mhz=clock, throttle_mask=0x4 if dip else 0,
-                      throttle_reasons=("sw_power_cap",) if dip else (), gpu_util_pct=rng.choice([96, 99, 100, 100]),
-                      power_w=rng.uniform(420, 700), temperature_c=round(62 + temp_offset + rng.gauss(0, 2)))
-    base = dict(gpu=gpu, time_s=t, name="NVIDIA H200", max_sm_clock_mhz=1980, mem_clock_mhz=3201, power_limit_w=700,
-                mem_util_pct=40, ecc_corrected=3, ecc_uncorrected=0, retired_pages_pending=-1,
-                remapped_rows_pending=0, remap_failure=0, pcie_replay=2, nvlink_crc_flit=0, nvlink_crc_data=0,
-                nvlink_replay=0, nvlink_recovery=0)
+        values = dict(
+            sm_clock_mhz=clock,
+            throttle_mask=0x4 if dip else 0,
+            throttle_reasons=("sw_power_cap",) if dip else (),
+            gpu_util_pct=rng.choice([96, 99, 100, 100]),
+            power_w=rng.uniform(420, 700),
+            temperature_c=round(62 + temp_offset + rng.gauss(0, 2)),
+        )
+    base = dict(
+        gpu=gpu,
+        time_s=t,
+        name="NVIDIA H200",
+        max_sm_clock_mhz=1980,
+        mem_clock_mhz=3201,
+        power_limit_w=700,
+        mem_util_pct=40,
+        ecc_corrected=3,
+        ecc_uncorrected=0,
+        retired_pages_pending=-1,
+        remapped_rows_pending=0,
+        remap_failure=0,
+        pcie_replay=2,
+        nvlink_crc_flit=0,
+        nvlink_crc_data=0,
+        nvlink_replay=0,
+        nvlink_recovery=0,
+    )
     base.update(values)
     base.update(over)
     return GpuSample(**base)
@@ -105,8 +139,10 @@ def test_throttled_gpu_is_named_after_persistence_not_before():
     when = {o.kind: i for i, r in enumerate(rounds) for o in r}
     # named at the sample persistence allows, not one before: the throttle reason after 5 faulty
     # samples, the clock (every sample of the window low, then k judgements) after 7
-    assert when == {THROTTLE: fault_from + CFG.samples_to_name_throttle - 1,
-                    SM_CLOCK_LOW: fault_from + CFG.samples_to_name - 1}
+    assert when == {
+        THROTTLE: fault_from + CFG.samples_to_name_throttle - 1,
+        SM_CLOCK_LOW: fault_from + CFG.samples_to_name - 1,
+    }
     assert (CFG.samples_to_name_throttle, CFG.samples_to_name) == (5, 7)
     found = [o for r in rounds for o in r]
     assert sorted(o.kind for o in found) == [SM_CLOCK_LOW, THROTTLE]  # once per episode, not every round
@@ -198,7 +234,9 @@ def test_inconclusive_becomes_attributed_when_a_third_gpu_joins():
             det.add(make(g, float(i), i), now=float(i))
         found += det.update([members], now=float(i))
     assert [(o.gpu, o.kind, o.attributable) for o in found] == [
-        (gpus[0], TEMPERATURE_HIGH, False), (gpus[0], TEMPERATURE_HIGH, True)]
+        (gpus[0], TEMPERATURE_HIGH, False),
+        (gpus[0], TEMPERATURE_HIGH, True),
+    ]
 
 
 def test_ecc_uncorrected_increase_is_attributed_even_with_two_gpus():
@@ -210,7 +248,8 @@ def test_ecc_uncorrected_increase_is_attributed_even_with_two_gpus():
 
     rounds = _run(DeviceHealthDetector(), gpus, 30, make)
     assert [(i, o.gpu, o.kind, o.attributable) for i, r in enumerate(rounds) for o in r] == [
-        (12, gpus[1], ECC_UNCORRECTED, True)]
+        (12, gpus[1], ECC_UNCORRECTED, True)
+    ]
     assert rounds[12][0].evidence["increase"] == 2
 
 
@@ -251,12 +290,22 @@ def test_counter_rates_rows_pending_and_lost_gpu():
     rng = random.Random(11)
     found = []
     for i in range(80):
-        over = dict(pcie_replay=2 + (i // 20),  # 1 replay every 20 s: a link at rest, not reported
-                    nvlink_recovery=1 if i >= 30 else 0,
-                    remapped_rows_pending=1 if 40 <= i < 50 else 0)
+        over = dict(
+            pcie_replay=2 + (i // 20),  # 1 replay every 20 s: a link at rest, not reported
+            nvlink_recovery=1 if i >= 30 else 0,
+            remapped_rows_pending=1 if 40 <= i < 50 else 0,
+        )
         det.add(_healthy("a", float(i), rng, **over), now=float(i))
-        det.add(_healthy("b", float(i), rng, pcie_replay=2 + 3 * max(0, i - 62),  # 3 a second from 63 s
-                         errors=("gpu_lost",) if i >= 70 else ()), now=float(i))
+        det.add(
+            _healthy(
+                "b",
+                float(i),
+                rng,
+                pcie_replay=2 + 3 * max(0, i - 62),  # 3 a second from 63 s
+                errors=("gpu_lost",) if i >= 70 else (),
+            ),
+            now=float(i),
+        )
         found += [(i, o.gpu, o.kind) for o in det.update([["a", "b"]], now=float(i))]
     assert found == [(30, "a", NVLINK_ERRORS), (40, "a", ROWS_PENDING), (65, "b", PCIE_REPLAY), (70, "b", GPU_LOST)]
 
@@ -272,13 +321,29 @@ def test_repeated_events_are_reported_at_most_every_repeat_s():
 
 
 def test_summary_text():
-    s = GpuSample(gpu="g", sm_clock_mhz=1410, max_sm_clock_mhz=1980, throttle_mask=0x8,
-                  throttle_reasons=("hw_slowdown",), temperature_c=83, power_w=412.4, power_limit_w=700,
-                  gpu_util_pct=100, ecc_uncorrected=0, remapped_rows_pending=1)
-    assert summarize(s) == "sm clock 1410 of 1980 MHz, throttled: hw_slowdown; 83 C; 412 of 700 W; util 100 %; " \
-                           "row remap pending"
-    window = [s, GpuSample(gpu="g", sm_clock_mhz=1980, max_sm_clock_mhz=1980, throttle_mask=0, temperature_c=80,
-                           xids=((79, 1.0),))]
+    s = GpuSample(
+        gpu="g",
+        sm_clock_mhz=1410,
+        max_sm_clock_mhz=1980,
+        throttle_mask=0x8,
+        throttle_reasons=("hw_slowdown",),
+        temperature_c=83,
+        power_w=412.4,
+        power_limit_w=700,
+        gpu_util_pct=100,
+        ecc_uncorrected=0,
+        remapped_rows_pending=1,
+    )
+    assert (
+        summarize(s) == "sm clock 1410 of 1980 MHz, throttled: hw_slowdown; 83 C; 412 of 700 W; util 100 %; "
+        "row remap pending"
+    )
+    window = [
+        s,
+        GpuSample(
+            gpu="g", sm_clock_mhz=1980, max_sm_clock_mhz=1980, throttle_mask=0, temperature_c=80, xids=((79, 1.0),)
+        ),
+    ]
     assert summarize(window).startswith("sm clock 1695 of 1980 MHz, throttled: hw_slowdown (1/2); 82 C")
     assert summarize(window).endswith("xid 79")
     assert summarize(GpuSample(gpu="g")) == "no device readings"
@@ -288,8 +353,18 @@ def test_detector_summary_of_a_gpu_for_another_finding():
     det = DeviceHealthDetector()
     rng = random.Random(13)
     for i in range(5):
-        det.add(_healthy("g", float(i), rng, sm_clock_mhz=1410, throttle_mask=0x8, throttle_reasons=("hw_slowdown",),
-                         temperature_c=83), now=float(i))
+        det.add(
+            _healthy(
+                "g",
+                float(i),
+                rng,
+                sm_clock_mhz=1410,
+                throttle_mask=0x8,
+                throttle_reasons=("hw_slowdown",),
+                temperature_c=83,
+            ),
+            now=float(i),
+        )
     assert det.summary("g").startswith("sm clock 1410 of 1980 MHz, throttled: hw_slowdown; 83 C; ")
     assert det.summary("unknown") is None
 
@@ -300,9 +375,19 @@ def test_a_gpu_in_two_classes_is_refused():
 
 
 def test_wire_reading_round_trips_and_converts():
-    r = DeviceReading(index=3, uuid="GPU-1", name="NVIDIA H200", pci_bus_id="00000000:19:00.0", time_s=5.0,
-                      pids=[41], sm_clock_mhz=1410, throttle_mask=0x88, throttle_reasons=decode_throttle(0x88),
-                      xids=[(79, 4.5)], errors=["pcie_replay: Not Supported"])
+    r = DeviceReading(
+        index=3,
+        uuid="GPU-1",
+        name="NVIDIA H200",
+        pci_bus_id="00000000:19:00.0",
+        time_s=5.0,
+        pids=[41],
+        sm_clock_mhz=1410,
+        throttle_mask=0x88,
+        throttle_reasons=decode_throttle(0x88),
+        xids=[(79, 4.5)],
+        errors=["pcie_replay: Not Supported"],
+    )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=DeviceReading)
     assert back == r and back.throttle_reasons == ["hw_slowdown", "hw_power_brake"]
     s = GpuSample.from_reading("h:3", back)
@@ -313,8 +398,10 @@ def test_wire_reading_round_trips_and_converts():
 
 
 def test_detector_imports_no_wire_probe_or_torch():
-    code = ("import sys, trainscout.detectors.device_health; "
-            "print([m for m in sys.modules if m.startswith(('trainscout.wire', 'trainscout.probe', 'torch'))])")
+    code = (
+        "import sys, trainscout.detectors.device_health; "
+        "print([m for m in sys.modules if m.startswith(('trainscout.wire', 'trainscout.probe', 'torch'))])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -40,8 +40,10 @@ def test_parse_one_spec_with_defaults() -> None:
 
 
 def test_parse_several_specs_and_params() -> None:
-    specs = parse_faults(" slow:rank=all:ms=80 ; exit:rank=3:code=3:step=0;pause:seconds=2.5;"
-                         "desync:rank=1:what=pg;crash:how=segv;gil:rank=0;")
+    specs = parse_faults(
+        " slow:rank=all:ms=80 ; exit:rank=3:code=3:step=0;pause:seconds=2.5;"
+        "desync:rank=1:what=pg;crash:how=segv;gil:rank=0;"
+    )
     assert specs == [
         FaultSpec("slow", None, 10, {"ms": 80.0}),
         FaultSpec("exit", (3,), 0, {"code": 3}),
@@ -267,8 +269,9 @@ STEP_LOOP = textwrap.dedent(
 
 def run_steps(spec: str, rank: int = 0, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, ENV_VAR: spec, "PYTHONPATH": SRC}
-    return subprocess.run([sys.executable, "-c", STEP_LOOP, str(rank)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", STEP_LOOP, str(rank)], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_crash_exception_fires_at_its_step() -> None:
@@ -306,6 +309,7 @@ def test_hang_stops_the_rank() -> None:
 
 def test_faults_package_does_not_import_torch() -> None:
     code = "import sys, trainscout.faults; assert 'torch' not in sys.modules, 'torch imported'"
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
-                          capture_output=True, text=True, timeout=20)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=20
+    )
     assert proc.returncode == 0, proc.stderr

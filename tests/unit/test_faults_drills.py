@@ -87,44 +87,59 @@ def test_new_kinds_parse_with_their_defaults() -> None:
         FaultSpec("starve", None, 10, {"hogs": 2}),
         FaultSpec("gradnoise", None, 3, {"scale": 100.0, "count": 1, "layer": "", "how": "tensor"}),
         FaultSpec("outflip", None, 10, {"factor": -1.0, "layer": "", "how": "hook"}),
-        FaultSpec("corrupt", None, 10, {"target": "param", "tensor": "", "how": "bitflip", "frac": 0.0,
-                                        "factor": 1000.0, "key": ""}),
+        FaultSpec(
+            "corrupt",
+            None,
+            10,
+            {"target": "param", "tensor": "", "how": "bitflip", "frac": 0.0, "factor": 1000.0, "key": ""},
+        ),
     ]
 
 
 def test_new_parameters_parse_and_round_trip() -> None:
-    text = ("delay:rank=0:step=4:ms=30:every=3:layer=blocks.1:how=read;starve:hogs=1;"
-            "gradnoise:scale=2.5:count=4:how=activation;outflip:factor=0.5:how=patch;"
-            "corrupt:target=state:key=exp_avg:how=scale:frac=0.1:factor=1000;corrupt:how=signflip:frac=0.01;"
-            "corrupt:how=expflip")
+    text = (
+        "delay:rank=0:step=4:ms=30:every=3:layer=blocks.1:how=read;starve:hogs=1;"
+        "gradnoise:scale=2.5:count=4:how=activation;outflip:factor=0.5:how=patch;"
+        "corrupt:target=state:key=exp_avg:how=scale:frac=0.1:factor=1000;corrupt:how=signflip:frac=0.01;"
+        "corrupt:how=expflip"
+    )
     specs = parse_faults(text)
     assert specs[0].params == {"ms": 30.0, "every": 3, "layer": "blocks.1", "how": "read"}
     assert specs[3].params == {"factor": 0.5, "layer": "", "how": "patch"}
-    assert specs[4].params == {"target": "state", "tensor": "", "how": "scale", "frac": 0.1, "factor": 1000.0,
-                               "key": "exp_avg"}
+    assert specs[4].params == {
+        "target": "state",
+        "tensor": "",
+        "how": "scale",
+        "frac": 0.1,
+        "factor": 1000.0,
+        "key": "exp_avg",
+    }
     assert parse_faults(format_faults(specs)) == specs
 
 
-@pytest.mark.parametrize("token, message", [
-    ("delay:how=nap", "how='nap' is not one of sleep, busy, read, lock, gpu, data"),
-    ("delay:every=0", "every=0 must be >= 1"),
-    ("delay:ms=-1", "ms='-1'"),
-    ("delay:factor=2", "unknown key 'factor'; valid keys for delay: rank, step, ms, every, layer, how"),
-    ("starve:hogs=0", "hogs=0 must be >= 1"),
-    ("starve:hogs=two", "hogs='two' is not an integer"),
-    ("gradnoise:scale=0", "scale='0' must be > 0"),
-    ("gradnoise:count=0", "count=0 must be >= 1"),
-    ("gradnoise:how=weights", "how='weights' is not one of tensor, activation"),
-    ("outflip:factor=1", "factor='1' changes nothing"),
-    ("outflip:factor=inf", "factor='inf' must be a finite number"),
-    ("outflip:factor=minus", "factor='minus' is not a number"),
-    ("outflip:how=monkey", "how='monkey' is not one of hook, patch"),
-    ("corrupt:how=flip", "bitflip, sign, scale, pct1, pct100, expflip, signflip"),
-    ("corrupt:frac=1.5", "frac='1.5' must be between 0 and 1"),
-    ("corrupt:key=exp_avg", "needs target=state"),
-    ("corrupt:factor=10", "how=scale only"),
-    ("corrupt:how=pct1:frac=0.1", "frac= does not apply to how=pct1"),
-])
+@pytest.mark.parametrize(
+    "token, message",
+    [
+        ("delay:how=nap", "how='nap' is not one of sleep, busy, read, lock, gpu, data"),
+        ("delay:every=0", "every=0 must be >= 1"),
+        ("delay:ms=-1", "ms='-1'"),
+        ("delay:factor=2", "unknown key 'factor'; valid keys for delay: rank, step, ms, every, layer, how"),
+        ("starve:hogs=0", "hogs=0 must be >= 1"),
+        ("starve:hogs=two", "hogs='two' is not an integer"),
+        ("gradnoise:scale=0", "scale='0' must be > 0"),
+        ("gradnoise:count=0", "count=0 must be >= 1"),
+        ("gradnoise:how=weights", "how='weights' is not one of tensor, activation"),
+        ("outflip:factor=1", "factor='1' changes nothing"),
+        ("outflip:factor=inf", "factor='inf' must be a finite number"),
+        ("outflip:factor=minus", "factor='minus' is not a number"),
+        ("outflip:how=monkey", "how='monkey' is not one of hook, patch"),
+        ("corrupt:how=flip", "bitflip, sign, scale, pct1, pct100, expflip, signflip"),
+        ("corrupt:frac=1.5", "frac='1.5' must be between 0 and 1"),
+        ("corrupt:key=exp_avg", "needs target=state"),
+        ("corrupt:factor=10", "how=scale only"),
+        ("corrupt:how=pct1:frac=0.1", "frac= does not apply to how=pct1"),
+    ],
+)
 def test_bad_new_parameters_are_refused_naming_the_token(token: str, message: str) -> None:
     with pytest.raises(ValueError) as err:
         parse_faults(token)
@@ -190,8 +205,7 @@ def test_delay_in_data_loading_slows_the_batch_fetch_of_firing_iterations(make_i
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
-def test_delay_on_the_gpu_without_cuda_logs_once_and_does_nothing(make_injector, tmp_path, monkeypatch,
-                                                                 capsys) -> None:
+def test_delay_on_the_gpu_without_cuda_logs_once_and_does_nothing(make_injector, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("TRAINSCOUT_FAULT_LOG", str(tmp_path / "faults.jsonl"))
     inj = make_injector("delay:rank=0:step=1:how=gpu:ms=40")
     model = gpt()
@@ -204,8 +218,9 @@ def test_delay_on_the_gpu_without_cuda_logs_once_and_does_nothing(make_injector,
     assert not (tmp_path / "faults.jsonl").exists()
 
 
-def test_an_intermittent_fault_logs_once_and_records_every_occurrence(make_injector, tmp_path, monkeypatch,
-                                                                      capsys) -> None:
+def test_an_intermittent_fault_logs_once_and_records_every_occurrence(
+    make_injector, tmp_path, monkeypatch, capsys
+) -> None:
     log = tmp_path / "faults.jsonl"
     monkeypatch.setenv("TRAINSCOUT_FAULT_LOG", str(log))
     inj = make_injector("delay:rank=0:step=2:every=3:ms=0;gradnoise:rank=0:step=3:count=2")
@@ -278,10 +293,12 @@ def test_gradnoise_hooks_come_off_after_their_steps(make_injector) -> None:
 
 
 def test_gradnoise_on_the_activation_corrupts_the_layer_and_everything_upstream(make_injector) -> None:
-    per_iteration = gradients_per_iteration("gradnoise:rank=0:step=1:how=activation:layer=blocks.1",
-                                            make_injector, 3)
-    upstream = {n for n in per_iteration[0][1] if n.startswith(("blocks.0.", "blocks.1.")) or
-                n in ("tokens.weight", "positions")}
+    per_iteration = gradients_per_iteration("gradnoise:rank=0:step=1:how=activation:layer=blocks.1", make_injector, 3)
+    upstream = {
+        n
+        for n in per_iteration[0][1]
+        if n.startswith(("blocks.0.", "blocks.1.")) or n in ("tokens.weight", "positions")
+    }
     assert changed(*per_iteration[0]) == set()
     assert changed(*per_iteration[1]) == upstream  # not the final norm nor the head, downstream of the layer
     assert changed(*per_iteration[2]) == set()
@@ -380,8 +397,9 @@ def test_corrupt_signflip_without_frac_negates_element_zero(make_injector) -> No
 
 
 def test_corrupt_scale_in_optimizer_state_with_frac_and_factor(make_injector) -> None:
-    before, after = corrupted("corrupt:rank=0:step=1:target=state:key=exp_avg:how=scale:frac=0.1:factor=1000",
-                              make_injector, state="exp_avg")
+    before, after = corrupted(
+        "corrupt:rank=0:step=1:target=state:key=exp_avg:how=scale:frac=0.1:factor=1000", make_injector, state="exp_avg"
+    )
     hit = (after != before).nonzero().flatten()
     assert len(hit) == round(0.1 * before.numel())
     assert torch.equal(after[hit], before[hit] * 1000)
@@ -390,16 +408,20 @@ def test_corrupt_scale_in_optimizer_state_with_frac_and_factor(make_injector) ->
 def test_corrupt_state_picks_exp_avg_by_default_and_a_named_key_when_asked(make_injector) -> None:
     before, after = corrupted("corrupt:rank=0:step=1:target=state:how=scale", make_injector, state="exp_avg")
     assert (after != before).nonzero().flatten().tolist() == [0]
-    before, after = corrupted("corrupt:rank=0:step=1:target=state:key=exp_avg_sq:how=scale", make_injector,
-                              state="exp_avg_sq")
+    before, after = corrupted(
+        "corrupt:rank=0:step=1:target=state:key=exp_avg_sq:how=scale", make_injector, state="exp_avg_sq"
+    )
     assert after[0] == before[0] * 1000 and torch.equal(after[1:], before[1:])
 
 
-@pytest.mark.parametrize("how, check", [
-    ("bitflip", lambda b, a: int(int_view(b)[0] ^ int_view(a)[0]) == 1 << 20),
-    ("sign", lambda b, a: a[0] == -b[0]),
-    ("scale", lambda b, a: a[0] == b[0] * 1e3),
-])
+@pytest.mark.parametrize(
+    "how, check",
+    [
+        ("bitflip", lambda b, a: int(int_view(b)[0] ^ int_view(a)[0]) == 1 << 20),
+        ("sign", lambda b, a: a[0] == -b[0]),
+        ("scale", lambda b, a: a[0] == b[0] * 1e3),
+    ],
+)
 def test_corrupt_existing_hows_still_touch_element_zero_only(how, check, make_injector) -> None:
     before, after = corrupted(f"corrupt:rank=0:step=1:how={how}", make_injector)
     assert check(before, after) and torch.equal(after[1:], before[1:])
@@ -455,8 +477,12 @@ def test_starve_hogs_die_with_a_killed_rank() -> None:
         print(" ".join(str(c.pid) for c in psutil.Process().children()), flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", rank], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, ENV_VAR: "starve:rank=0:step=1:hogs=2", "PYTHONPATH": SRC})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", rank],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, ENV_VAR: "starve:rank=0:step=1:hogs=2", "PYTHONPATH": SRC},
+    )
     try:
         hogs = [int(pid) for pid in proc.stdout.readline().split()]
         assert len(hogs) == 2 and not any(gone(pid) for pid in hogs)
@@ -464,4 +490,3 @@ def test_starve_hogs_die_with_a_killed_rank() -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert wait_until(lambda: all(gone(pid) for pid in hogs))
-

@@ -191,9 +191,7 @@ def test_non_contiguous_tensor_uses_logical_order():
     assert fingerprint(view) != fingerprint(t)
 
 
-@pytest.mark.parametrize(
-    "start,end", [(0, 0), (0, 1), (4, 4), (4, 13), (12, 400), (396, 400), (0, 400), (100, 399)]
-)
+@pytest.mark.parametrize("start,end", [(0, 0), (0, 1), (4, 4), (4, 13), (12, 400), (396, 400), (0, 400), (100, 399)])
 def test_range_is_the_reference_over_the_slice_with_offset_indices(start, end):
     t = torch.randn(100)  # 400 bytes
     raw = tensor_bytes(t)

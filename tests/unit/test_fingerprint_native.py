@@ -128,8 +128,7 @@ FALLBACK_CHECK = textwrap.dedent(
 
 def test_environment_switch_and_missing_module_fall_back_to_numpy():
     env = dict(os.environ, TRAINSCOUT_FINGERPRINT_NATIVE="0")
-    out = subprocess.run([sys.executable, "-c", FALLBACK_CHECK], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", FALLBACK_CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "FALLBACK OK" in out.stdout
 

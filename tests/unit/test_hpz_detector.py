@@ -19,8 +19,16 @@ def rec(step: int, phase: str, param: str, owner: int, start: int, end: int, dig
     return StateRecord(step=step, tensor=record_name(phase, param, owner, mode), start=start, end=end, digest=digest)
 
 
-def step_records(step: int, ranks: list[int], *, group: list[int], bad_owner: int | None = None,
-                 bad_receivers: tuple[int, ...] = (), mode: str = "event", params=("w1", "w2")):
+def step_records(
+    step: int,
+    ranks: list[int],
+    *,
+    group: list[int],
+    bad_owner: int | None = None,
+    bad_receivers: tuple[int, ...] = (),
+    mode: str = "event",
+    params=("w1", "w2"),
+):
     """Forward and backward records of one step: each param cut into one range per group member."""
     out: dict[int, list[StateRecord]] = {r: [] for r in ranks}
     for p_i, param in enumerate(params):
@@ -89,8 +97,9 @@ def test_a_forward_that_disagrees_alone_is_not_blamed_on_hpz():
     """A receiver whose primary gather already differed from the majority is the all-gather check's case."""
     det = HpzRaceDetector()
     per_rank = step_records(1, [0, 1, 2], group=[0, 1, 2])
-    per_rank[2] = [StateRecord(step=r.step, tensor=r.tensor, start=r.start, end=r.end, digest=r.digest + 1)
-                   for r in per_rank[2]]  # rank 2 gathered other bytes in forward AND backward
+    per_rank[2] = [
+        StateRecord(step=r.step, tensor=r.tensor, start=r.start, end=r.end, digest=r.digest + 1) for r in per_rank[2]
+    ]  # rank 2 gathered other bytes in forward AND backward
     feed(det, per_rank)
     found = det.update(100.0)
     assert len(found) == 1 and found[0].culprit_ranks == [0, 1, 2]  # its backward differs from the primary value
@@ -107,13 +116,16 @@ def test_steps_are_judged_in_order():
     assert [(f.step, f.culprit_ranks) for f in found] == [(3, [0])]
 
 
-@pytest.mark.parametrize("numel,elem,world,group,expected", [
-    (8, 4, 2, 2, [(0, 0, 16), (1, 16, 32)]),
-    (7, 4, 2, 2, [(0, 0, 16), (1, 16, 28)]),  # padded to 8: member 1 holds 3 real elements
-    (10, 2, 4, 2, [(0, 0, 12), (1, 12, 20)]),  # 12 / 2 = 6 elements each; bf16 boundary at byte 12
-    (9, 2, 2, 2, [(0, 0, 8), (1, 8, 18)]),  # boundary at byte 10 rounds down to the word at 8
-    (3, 4, 8, 4, [(0, 0, 8), (1, 8, 12)]),  # members 2 and 3 hold only padding
-])
+@pytest.mark.parametrize(
+    "numel,elem,world,group,expected",
+    [
+        (8, 4, 2, 2, [(0, 0, 16), (1, 16, 32)]),
+        (7, 4, 2, 2, [(0, 0, 16), (1, 16, 28)]),  # padded to 8: member 1 holds 3 real elements
+        (10, 2, 4, 2, [(0, 0, 12), (1, 12, 20)]),  # 12 / 2 = 6 elements each; bf16 boundary at byte 12
+        (9, 2, 2, 2, [(0, 0, 8), (1, 8, 18)]),  # boundary at byte 10 rounds down to the word at 8
+        (3, 4, 8, 4, [(0, 0, 8), (1, 8, 12)]),  # members 2 and 3 hold only padding
+    ],
+)
 def test_chunk_ranges(numel, elem, world, group, expected):
     assert chunk_ranges(numel, elem, world, group) == expected
 

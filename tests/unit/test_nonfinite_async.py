@@ -116,8 +116,7 @@ def test_judge_of_counts_names_the_loss_and_the_first_gradient_in_parameter_orde
     assert records == []
     check._judge((5, ["a", "b", "c"], owner), _kernel_vector([0, 0, 3, 0, 1], [1, 2, math.nan, 4, math.inf], 1.0))
     assert [(r[5], r[7]) for r in records] == [(5, "grad b")]  # b (tensor 2) comes before c (tensor 3)
-    check._judge((6, ["a", "b", "c"], owner), _kernel_vector([1, 0, 0, 2, 0], [math.inf, 2, 3, math.nan, 5],
-                                                             math.inf))
+    check._judge((6, ["a", "b", "c"], owner), _kernel_vector([1, 0, 0, 2, 0], [math.inf, 2, 3, math.nan, 5], math.inf))
     assert [(r[5], r[7]) for r in records][1:] == [(6, "loss"), (6, "grad a")]
 
 
@@ -135,9 +134,11 @@ def test_judge_of_the_kernel_vector_reports_the_same_with_and_without_evidence()
     import numpy as np
 
     owner = np.array([0, 2, 2, 1, 3])
-    vectors = [(3, _kernel_vector([0, 0, 0, 0, 0], [1, 2, 3, 4, 5], 0.5)),
-               (4, _kernel_vector([0, 0, 2, 0, 0], [1, 2, math.nan, 4, 5], 0.25)),
-               (5, _kernel_vector([1, 1, 0, 0, 0], [math.inf, math.nan, 3, 4, 5], -math.inf))]
+    vectors = [
+        (3, _kernel_vector([0, 0, 0, 0, 0], [1, 2, 3, 4, 5], 0.5)),
+        (4, _kernel_vector([0, 0, 2, 0, 0], [1, 2, math.nan, 4, 5], 0.25)),
+        (5, _kernel_vector([1, 1, 0, 0, 0], [math.inf, math.nan, 3, 4, 5], -math.inf)),
+    ]
     plain, plain_records = _check()
     check, records, evidence = _check_with_evidence(["a", "b", "c"])
     for step, values in vectors:
@@ -158,7 +159,13 @@ def test_evidence_from_device_vectors_follows_the_evidence_parameter_order_by_na
     check, _, evidence = _check_with_evidence(["a", "b", "c"], evidence_names=["hooked", "c", "a", "b"])
     owner = np.array([0, 1, 2, 3])
     check._judge((2, check._device_names, owner), _kernel_vector([0] * 4, [1.0, 2.0, 3.0, 5.0], 1.0))
-    check._judge((3, ("c", "a"), ), [1.5, 3.0, 0.5])  # the norm path, a gradient missing that step
+    check._judge(
+        (
+            3,
+            ("c", "a"),
+        ),
+        [1.5, 3.0, 0.5],
+    )  # the norm path, a gradient missing that step
     assert evidence.emitted == [(2, 1.0, [0.0, 5.0, 2.0, 3.0]), (3, 1.5, [0.0, 9.0, 0.25, 0.0])]
 
 
@@ -264,7 +271,8 @@ def test_check_kernel_under_the_interpreter_counts_sums_squares_and_reads_the_lo
     env = dict(os.environ, TRITON_INTERPRET="1")
     src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    out = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_CHECK], capture_output=True, text=True, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "INTERPRETER OK" in out.stdout

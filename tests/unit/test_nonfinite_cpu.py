@@ -142,12 +142,15 @@ def test_a_sparse_gradient_falls_back_to_per_gradient_sums():
     params = _params()
     check, run_check = _check_with(params)
     emb = params["layer0.weight"]
-    emb.grad = torch.sparse_coo_tensor([[1], [2]], [math.nan], emb.shape, check_invariants=True)  # as nn.Embedding(sparse=True) gives
+    emb.grad = torch.sparse_coo_tensor(
+        [[1], [2]], [math.nan], emb.shape, check_invariants=True
+    )  # as nn.Embedding(sparse=True) gives
     assert run_check() == ["grad layer0.weight"]
     assert check._flat is None
 
 
 # ---- the budget: CPU gradients are tested on every `stride`-th step, the loss on every step --------------
+
 
 def _budgeted(budget: float):
     """A check driven through its backward wrapper (real autograd), with the step counter under test control."""

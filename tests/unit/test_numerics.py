@@ -39,15 +39,22 @@ def test_healthy_replicas_give_no_suspect(seed):
 
 
 def test_one_step_of_noise_in_one_layers_gradient_is_a_spike_with_a_calm_loss():
-    found = _run(range(1, 200), norms_of=lambda r, s, n: [x * 300 if r == 1 and s == 120 and i == 1 else x
-                                                          for i, x in enumerate(n)])
-    assert [(f.rank, f.statistic, f.pattern, f.layer, f.step) for f in found] == [(1, "grad_norm", "spike", "blocks.0", 120)]
+    found = _run(
+        range(1, 200),
+        norms_of=lambda r, s, n: [x * 300 if r == 1 and s == 120 and i == 1 else x for i, x in enumerate(n)],
+    )
+    assert [(f.rank, f.statistic, f.pattern, f.layer, f.step) for f in found] == [
+        (1, "grad_norm", "spike", "blocks.0", 120)
+    ]
     assert found[0].ratio > 100 and abs(found[0].loss_z) < 3
 
 
 def test_a_gradient_jump_that_comes_with_a_loss_jump_is_a_hard_batch_not_a_spike():
-    found = _run(range(1, 200), loss_of=lambda r, s, x: x * 3 if r == 1 and s == 120 else x,
-                 norms_of=lambda r, s, n: [x * 20 if r == 1 and s == 120 else x for x in n])
+    found = _run(
+        range(1, 200),
+        loss_of=lambda r, s, x: x * 3 if r == 1 and s == 120 else x,
+        norms_of=lambda r, s, n: [x * 20 if r == 1 and s == 120 else x for x in n],
+    )
     assert found == []
 
 
@@ -58,8 +65,10 @@ def test_a_rank_whose_forward_went_wrong_is_a_persistent_loss_outlier():
 
 
 def test_a_persistently_scaled_layer_gradient_is_named_with_its_layer():
-    found = _run(range(1, 200), norms_of=lambda r, s, n: [x * 2.5 if r == 0 and s >= 100 and i == 2 else x
-                                                          for i, x in enumerate(n)])
+    found = _run(
+        range(1, 200),
+        norms_of=lambda r, s, n: [x * 2.5 if r == 0 and s >= 100 and i == 2 else x for i, x in enumerate(n)],
+    )
     assert [(f.rank, f.statistic, f.pattern, f.layer) for f in found] == [(0, "grad_norm", "persistent", "blocks.1")]
 
 
@@ -74,16 +83,22 @@ def test_nothing_is_judged_during_warm_up():
 
 
 def test_non_finite_values_are_left_to_the_non_finite_check():
-    found = _run(range(1, 200), loss_of=lambda r, s, x: math.nan if r == 1 and s >= 100 else x,
-                 norms_of=lambda r, s, n: [math.inf] * len(n) if r == 1 and s >= 100 else n)
+    found = _run(
+        range(1, 200),
+        loss_of=lambda r, s, x: math.nan if r == 1 and s >= 100 else x,
+        norms_of=lambda r, s, n: [math.inf] * len(n) if r == 1 and s >= 100 else n,
+    )
     assert found == []
 
 
 # ---- confirmation -----------------------------------------------------------------------------------------
 
+
 def _suspect(statistic="grad_norm", pattern="spike", layer="blocks.0"):
-    found = _run(range(1, 130), norms_of=lambda r, s, n: [x * 300 if r == 1 and s == 120 and i == 1 else x
-                                                          for i, x in enumerate(n)])
+    found = _run(
+        range(1, 130),
+        norms_of=lambda r, s, n: [x * 300 if r == 1 and s == 120 and i == 1 else x for i, x in enumerate(n)],
+    )
     (s,) = found
     return s
 

@@ -9,8 +9,16 @@ from trainscout.wire.messages import CollectiveRecord
 
 def rec(seq: int, desc: str = "all_reduce Float[] op=SUM", native: bool = False) -> CollectiveRecord:
     h = 0 if native and not desc else protocol.entry_hash((desc,))
-    return CollectiveRecord(seq=seq, op="all_reduce" if desc else "", desc=desc, entry_hash=h, rolling_hash=0,
-                            wall_ns=0, step=seq, native=native)
+    return CollectiveRecord(
+        seq=seq,
+        op="all_reduce" if desc else "",
+        desc=desc,
+        entry_hash=h,
+        rolling_hash=0,
+        wall_ns=0,
+        step=seq,
+        native=native,
+    )
 
 
 def test_a_native_collective_chains_the_same_described_or_not():

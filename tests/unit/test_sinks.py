@@ -26,7 +26,7 @@ def _hang() -> Finding:
         collective="all_reduce",
         confidence=0.97,
         evidence={"waiting": 15, "world": 16},
-        stacks={"13": 'Thread 4411 (idle)\n    __next__ (data.py:88)\n    train_step (train.py:40)', "2": LONG_STACK},
+        stacks={"13": "Thread 4411 (idle)\n    __next__ (data.py:88)\n    train_step (train.py:40)", "2": LONG_STACK},
         first_seen=time.time() - 5,
         confirmed=time.time(),
     )
@@ -136,8 +136,14 @@ def test_summary_mentions_each_finding(tmp_path) -> None:
 def test_summary_without_findings(tmp_path) -> None:
     path = tmp_path / "report.md"
     write_summary(
-        path, run_id="run-2", command=["python", "train.py"], exit_code=0,
-        findings=[], notes=[], started=1.0, ended=2.5,
+        path,
+        run_id="run-2",
+        command=["python", "train.py"],
+        exit_code=0,
+        findings=[],
+        notes=[],
+        started=1.0,
+        ended=2.5,
     )
     text = path.read_text()
     assert "No findings." in text
@@ -150,16 +156,22 @@ def test_probe_cost_summary_line_gives_median_cost_per_check_over_ranks(tmp_path
     from trainscout.sinks import probe_costs
 
     for rank, state_s in enumerate((0.1, 0.3, 0.2)):
-        doc = {"rank": rank, "steps": 100, "step_wall_s": 10.0,
-               "state_check": {"seconds": state_s, "period_steps": 288 + rank},
-               "replay": {"seconds": 0.05}}
+        doc = {
+            "rank": rank,
+            "steps": 100,
+            "step_wall_s": 10.0,
+            "state_check": {"seconds": state_s, "period_steps": 288 + rank},
+            "replay": {"seconds": 0.05},
+        }
         with open(probe_costs.report_path(str(tmp_path), rank), "w") as fh:
             json.dump(doc, fh)
     with open(probe_costs.report_path(str(tmp_path), 9), "w") as fh:
         json.dump({"rank": 9, "steps": 1, "step_wall_s": 0.0}, fh)  # one step says nothing per step
     line = probe_costs.summary_line(str(tmp_path))
-    assert line == ("trainscout's in-rank checks, median over 3 ranks: state check 2.000 ms/step (2.00 % of step "
-                    "time); replay 0.500 ms/step (0.50 % of step time); state coverage period 290 steps")
+    assert line == (
+        "trainscout's in-rank checks, median over 3 ranks: state check 2.000 ms/step (2.00 % of step "
+        "time); replay 0.500 ms/step (0.50 % of step time); state coverage period 290 steps"
+    )
     assert probe_costs.summary_line(str(tmp_path / "none")) == ""
 
 
@@ -169,10 +181,16 @@ def test_probe_cost_summary_line_says_how_often_cpu_gradients_were_tested(tmp_pa
     from trainscout.sinks import probe_costs
 
     for rank, stride in enumerate((16, 32)):
-        doc = {"rank": rank, "steps": 100, "step_wall_s": 10.0,
-               "nonfinite": {"seconds": 0.01, "setup_seconds": 0.0, "cpu_checks": 100 // stride, "stride": stride}}
+        doc = {
+            "rank": rank,
+            "steps": 100,
+            "step_wall_s": 10.0,
+            "nonfinite": {"seconds": 0.01, "setup_seconds": 0.0, "cpu_checks": 100 // stride, "stride": stride},
+        }
         with open(probe_costs.report_path(str(tmp_path), rank), "w") as fh:
             json.dump(doc, fh)
     line = probe_costs.summary_line(str(tmp_path))
-    assert line.endswith("nonfinite 0.100 ms/step (0.10 % of step time); CPU gradients tested for NaN/Inf every 32 "
-                         "steps (the loss every step)"), line
+    assert line.endswith(
+        "nonfinite 0.100 ms/step (0.10 % of step time); CPU gradients tested for NaN/Inf every 32 "
+        "steps (the loss every step)"
+    ), line

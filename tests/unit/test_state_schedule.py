@@ -36,11 +36,11 @@ def test_every_byte_of_state_is_in_exactly_one_slot_and_slot_count_is_odd(tmp_pa
     assert n % 2 == 1 and n > 1
     covered: dict[int, list[tuple[int, int]]] = {}
     for slot in sc._slots[: n - (1 if sc._slots[-1] is sc._slots[0] else 0)]:
-        for tid, t, start, end in slot:
+        for tid, _t, start, end in slot:
             covered.setdefault(tid, []).append((start, end))
     sizes = {sc._ids[name]: None for name, _ in sc.table}
     assert set(covered) == set(sizes)
-    for tid, ranges in covered.items():
+    for ranges in covered.values():
         ranges.sort()
         assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 

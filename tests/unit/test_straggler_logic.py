@@ -25,9 +25,17 @@ def _feed(det, steps, world, cpu, wait=lambda r, s: 0.003, gpu=None, gpu_wait=No
     for s in steps:
         for r in world:
             n = 1 + rng.uniform(-noise, noise)
-            rec = StepRecord(step=s, wall_s=0.05, cpu_s=cpu(r, s) * n, data_s=0.0, ckpt_s=0.0, wait_s=wait(r, s),
-                             gpu_s=gpu(r, s) * n if gpu else -1.0, gpu_wait_s=gpu_wait(r, s) if gpu_wait else -1.0,
-                             pg_wait={"0": wait(r, s)})
+            rec = StepRecord(
+                step=s,
+                wall_s=0.05,
+                cpu_s=cpu(r, s) * n,
+                data_s=0.0,
+                ckpt_s=0.0,
+                wait_s=wait(r, s),
+                gpu_s=gpu(r, s) * n if gpu else -1.0,
+                gpu_wait_s=gpu_wait(r, s) if gpu_wait else -1.0,
+                pg_wait={"0": wait(r, s)},
+            )
             det.add(r, [rec], 0.0)
         found += det.update(0.0, set(world))
     return found
@@ -53,8 +61,14 @@ def test_two_ranks_slow_together_are_not_one_straggler():
     det = StragglerDetector()
     factor = {1: 1.19, 3: 1.25}
     pair = lambda r, s: r in factor and 40 <= s < 70  # noqa: E731
-    found = _feed(det, range(1, 120), WORLD, lambda r, s: 0.013 * (factor[r] if pair(r, s) else 1.0),
-                  wait=lambda r, s: 0.018 if pair(r, s) else (0.03 if 40 <= s < 70 else 0.02), noise=0.02)
+    found = _feed(
+        det,
+        range(1, 120),
+        WORLD,
+        lambda r, s: 0.013 * (factor[r] if pair(r, s) else 1.0),
+        wait=lambda r, s: 0.018 if pair(r, s) else (0.03 if 40 <= s < 70 else 0.02),
+        noise=0.02,
+    )
     assert found == []
 
 
@@ -62,8 +76,13 @@ def test_a_start_up_episode_is_not_a_straggler():
     """A healthy rank 1.4x slower over steps 10-18, its peers waiting for it meanwhile (seen in CI)."""
     det = StragglerDetector()
     episode = lambda r, s: r == 2 and 10 <= s <= 18  # noqa: E731
-    found = _feed(det, range(1, 120), WORLD, lambda r, s: 0.012 * (1.4 if episode(r, s) else 1.0),
-                  wait=lambda r, s: 0.02 if episode(r, s) else (0.025 if 10 <= s <= 18 else 0.02))
+    found = _feed(
+        det,
+        range(1, 120),
+        WORLD,
+        lambda r, s: 0.012 * (1.4 if episode(r, s) else 1.0),
+        wait=lambda r, s: 0.02 if episode(r, s) else (0.025 if 10 <= s <= 18 else 0.02),
+    )
     assert found == []
 
 
@@ -72,8 +91,14 @@ def test_a_thirty_step_drift_is_not_a_straggler():
     median named it; the fine tier's 64-step median does not (a 10 % straggler stays, and is named)."""
     det = StragglerDetector()
     episode = lambda r, s: r == 0 and 75 <= s < 106  # noqa: E731
-    found = _feed(det, range(1, 200), WORLD, lambda r, s: 0.012 * (1.15 if episode(r, s) else 1.0),
-                  wait=lambda r, s: 0.017 if episode(r, s) else 0.02, noise=0.02)
+    found = _feed(
+        det,
+        range(1, 200),
+        WORLD,
+        lambda r, s: 0.012 * (1.15 if episode(r, s) else 1.0),
+        wait=lambda r, s: 0.017 if episode(r, s) else 0.02,
+        noise=0.02,
+    )
     assert found == []
 
 
@@ -84,8 +109,14 @@ def test_an_episode_is_not_flagged_after_it_ends(seed):
     back to 0.9-1.1x); a flagged rank must still be slow over its last 3 steps."""
     det = StragglerDetector()
     episode = lambda r, s: r == 3 and 100 <= s < 107  # noqa: E731
-    found = _feed(det, range(1, 160), WORLD, lambda r, s: 0.012 * (1.45 if episode(r, s) else 1.0),
-                  wait=lambda r, s: 0.017 if episode(r, s) else (0.024 if 100 <= s < 107 else 0.02), seed=seed)
+    found = _feed(
+        det,
+        range(1, 160),
+        WORLD,
+        lambda r, s: 0.012 * (1.45 if episode(r, s) else 1.0),
+        wait=lambda r, s: 0.017 if episode(r, s) else (0.024 if 100 <= s < 107 else 0.02),
+        seed=seed,
+    )
     assert found == []
 
 
@@ -97,13 +128,27 @@ def test_a_rank_taking_turns_in_the_slow_pair_is_not_a_straggler(seed):
     det = StragglerDetector()
     episode = lambda s: 46 <= s < 75  # noqa: E731
     slow = lambda r, s: episode(s) and r in (3, s % 3)  # noqa: E731
-    found = _feed(det, range(1, 160), WORLD, lambda r, s: 0.010 * (1.5 if slow(r, s) else 1.0),
-                  wait=lambda r, s: 0.017 if r == 3 and episode(s) else 0.02, seed=seed, noise=0.05)
+    found = _feed(
+        det,
+        range(1, 160),
+        WORLD,
+        lambda r, s: 0.010 * (1.5 if slow(r, s) else 1.0),
+        wait=lambda r, s: 0.017 if r == 3 and episode(s) else 0.02,
+        seed=seed,
+        noise=0.05,
+    )
     assert found == []
     # the same rank slow alone is a straggler, named by the mid tier (16-step medians) within 35 steps
     det = StragglerDetector()
-    found = _feed(det, range(1, 160), WORLD, lambda r, s: 0.010 * (1.3 if r == 3 and s >= 46 else 1.0),
-                  wait=lambda r, s: 0.017 if r == 3 and s >= 46 else 0.02, seed=seed, noise=0.05)
+    found = _feed(
+        det,
+        range(1, 160),
+        WORLD,
+        lambda r, s: 0.010 * (1.3 if r == 3 and s >= 46 else 1.0),
+        wait=lambda r, s: 0.017 if r == 3 and s >= 46 else 0.02,
+        seed=seed,
+        noise=0.05,
+    )
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found][:1] == [([3], "compute")]
     assert found[0].step - 46 <= 35 and found[0].evidence["basis"].startswith("mid")
 
@@ -111,8 +156,15 @@ def test_a_rank_taking_turns_in_the_slow_pair_is_not_a_straggler(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_a_rank_needing_twice_the_compute_is_named_within_ten_steps(seed):
     det = StragglerDetector()
-    found = _feed(det, range(1, 100), WORLD, lambda r, s: 0.010 * (2.0 if r == 2 and s >= 46 else 1.0),
-                  wait=lambda r, s: 0.005 if r == 2 and s >= 46 else 0.02, seed=seed, noise=0.05)
+    found = _feed(
+        det,
+        range(1, 100),
+        WORLD,
+        lambda r, s: 0.010 * (2.0 if r == 2 and s >= 46 else 1.0),
+        wait=lambda r, s: 0.005 if r == 2 and s >= 46 else 0.02,
+        seed=seed,
+        noise=0.05,
+    )
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found][:1] == [([2], "compute")]
     assert found[0].step - 46 <= 10 and "per-step durations" in found[0].evidence["basis"]
 
@@ -124,8 +176,15 @@ def test_a_twenty_step_episode_of_a_busy_machine_is_not_a_straggler(seed):
     neither the fast tier (60 %) nor the mid tier (22 of 24 evaluations of 16-step medians) names it."""
     det = StragglerDetector()
     episode = lambda r, s: r == 1 and 130 <= s < 150  # noqa: E731
-    found = _feed(det, range(1, 220), WORLD, lambda r, s: 0.010 * (1.5 if episode(r, s) else 1.0),
-                  wait=lambda r, s: 0.015 if episode(r, s) else 0.02, seed=seed, noise=0.05)
+    found = _feed(
+        det,
+        range(1, 220),
+        WORLD,
+        lambda r, s: 0.010 * (1.5 if episode(r, s) else 1.0),
+        wait=lambda r, s: 0.015 if episode(r, s) else 0.02,
+        seed=seed,
+        noise=0.05,
+    )
     assert found == []
 
 
@@ -138,8 +197,7 @@ def test_a_cuda_job_is_never_judged_by_host_cpu_time(world):
     off = StragglerDetector(gpu_compute=False)
     assert _feed(off, range(1, 120), world, cpu, wait=waits, gpu=lambda r, s: 0.02, gpu_wait=waits, noise=0.01) == []
     unread = StragglerDetector()
-    assert _feed(unread, range(1, 120), world, cpu, wait=waits, gpu=lambda r, s: -2.0, gpu_wait=waits,
-                 noise=0.0) == []
+    assert _feed(unread, range(1, 120), world, cpu, wait=waits, gpu=lambda r, s: -2.0, gpu_wait=waits, noise=0.0) == []
     plain = StragglerDetector(gpu_compute=False)  # the same numbers on a CPU job are a straggler
     found = _feed(plain, range(1, 120), world, cpu, wait=waits, noise=0.01)
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([0], "compute")]
@@ -148,9 +206,14 @@ def test_a_cuda_job_is_never_judged_by_host_cpu_time(world):
 def test_two_ranks_name_the_slow_gpu_by_arrival_order():
     det = StragglerDetector()
     slow = lambda r, s: r == 1 and s > 10  # noqa: E731
-    found = _feed(det, range(1, 40), (0, 1), lambda r, s: 0.01,
-                  gpu=lambda r, s: 0.02 * (1.5 if slow(r, s) else 1.0),
-                  gpu_wait=lambda r, s: 0.001 if slow(r, s) or s <= 10 else 0.011)
+    found = _feed(
+        det,
+        range(1, 40),
+        (0, 1),
+        lambda r, s: 0.01,
+        gpu=lambda r, s: 0.02 * (1.5 if slow(r, s) else 1.0),
+        gpu_wait=lambda r, s: 0.001 if slow(r, s) or s <= 10 else 0.011,
+    )
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([1], "compute")]
     f = found[0]
     assert f.confidence < 0.5 and f.evidence["basis"].startswith("arrival order")
@@ -161,24 +224,40 @@ def test_two_ranks_a_short_slow_episode_is_not_named():
     """A healthy rank on a busy machine: 1.4x for 12 steps, its peer waiting for it meanwhile (seen in CI)."""
     det = StragglerDetector()
     episode = lambda r, s: r == 1 and 16 <= s < 28  # noqa: E731
-    found = _feed(det, range(1, 120), (0, 1), lambda r, s: 0.015 * (1.4 if episode(r, s) else 1.0),
-                  wait=lambda r, s: 0.003 if r == 1 else (0.008 if episode(1, s) else 0.006))
+    found = _feed(
+        det,
+        range(1, 120),
+        (0, 1),
+        lambda r, s: 0.015 * (1.4 if episode(r, s) else 1.0),
+        wait=lambda r, s: 0.003 if r == 1 else (0.008 if episode(1, s) else 0.006),
+    )
     assert found == []
 
 
 def test_two_ranks_slower_but_waiting_longer_is_not_named():
     """Slower compute while also waiting longer contradicts arrival order: no finding."""
     det = StragglerDetector()
-    found = _feed(det, range(1, 40), (0, 1), lambda r, s: 0.01, gpu=lambda r, s: 0.02 * (1.5 if r == 1 else 1.0),
-                  gpu_wait=lambda r, s: 0.011 if r == 1 else 0.001)
+    found = _feed(
+        det,
+        range(1, 40),
+        (0, 1),
+        lambda r, s: 0.01,
+        gpu=lambda r, s: 0.02 * (1.5 if r == 1 else 1.0),
+        gpu_wait=lambda r, s: 0.011 if r == 1 else 0.001,
+    )
     assert found == []
 
 
 def test_compute_straggler_does_not_trigger_a_link_probe():
     det = StragglerDetector()
     # its peers wait for it; its own wait stays flat
-    _feed(det, range(1, 120), WORLD, lambda r, s: 0.02 * (1.4 if r == 2 and s > 20 else 1.0),
-          wait=lambda r, s: 0.003 + (0.008 if s > 20 and r != 2 else 0.0))
+    _feed(
+        det,
+        range(1, 120),
+        WORLD,
+        lambda r, s: 0.02 * (1.4 if r == 2 and s > 20 else 1.0),
+        wait=lambda r, s: 0.003 + (0.008 if s > 20 and r != 2 else 0.0),
+    )
     assert det.comm.take_request() is None
 
 
@@ -189,8 +268,9 @@ def test_slow_transport_triggers_a_link_probe_of_the_group():
     for s in range(1, 60):
         for r in WORLD:
             w = 0.003 * (1 + rng.uniform(-0.2, 0.2)) + (0.02 if s > 30 else 0.0)
-            det.add(r, [StepRecord(step=s, wall_s=0.05, cpu_s=0.02, data_s=0, ckpt_s=0, wait_s=w,
-                                   pg_wait={"0": w})], 0.0)
+            det.add(
+                r, [StepRecord(step=s, wall_s=0.05, cpu_s=0.02, data_s=0, ckpt_s=0, wait_s=w, pg_wait={"0": w})], 0.0
+            )
         assert det.update(0.0, set(WORLD)) == []
         req = det.comm.take_request()
         if req:
@@ -244,9 +324,9 @@ def test_round_robin_meets_every_pair_once(n):
 
 # ---- the detector's shortcuts must not change what it says ----------------------------------------------
 
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.floats(min_value=1e-6, max_value=10.0), min_size=3, max_size=9),
-       st.sampled_from([0.09, 0.2, 0.5]))
+@given(st.lists(st.floats(min_value=1e-6, max_value=10.0), min_size=3, max_size=9), st.sampled_from([0.09, 0.2, 0.5]))
 def test_a_vote_skipped_as_unable_to_flag_would_have_flagged_nobody(values, rel):
     samples = dict(enumerate(values))
     if _may_stand_out(samples, rel):

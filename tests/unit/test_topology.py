@@ -19,8 +19,9 @@ def test_hsdp_replicas_are_the_members_of_each_replicate_group():
     doc = build(per_rank)
     assert doc["replicas"] == [[0, 2], [1, 3]]
     assert [g["name"] for g in doc["groups"]] == ["0", "2", "3", "4", "5"]  # the side group is not the job's
-    assert doc["line"] == ("topology: 4 ranks; HSDP: replicate [0,2] [1,3], shard [0,1] [2,3]; "
-                           "replicas [0,2] [1,3]; other groups 0[0-3]")
+    assert doc["line"] == (
+        "topology: 4 ranks; HSDP: replicate [0,2] [1,3], shard [0,1] [2,3]; replicas [0,2] [1,3]; other groups 0[0-3]"
+    )
 
 
 def test_sharded_job_has_no_replicas_and_unknown_roles_are_said_so():
@@ -28,8 +29,9 @@ def test_sharded_job_has_no_replicas_and_unknown_roles_are_said_so():
     assert build(shard)["replicas"] == []
     assert "no replicas" in build(shard)["line"]
     plain = {r: [_g("0", [0, 1], desc="default_pg")] for r in range(2)}
-    assert build(plain)["line"].endswith("roles unknown (no framework integration saw how the groups are used); "
-                                         "other groups 0[0,1]")
+    assert build(plain)["line"].endswith(
+        "roles unknown (no framework integration saw how the groups are used); other groups 0[0,1]"
+    )
 
 
 def test_first_declared_role_wins_and_a_late_member_list_fills_in():
@@ -56,8 +58,14 @@ def test_rank_span():
 
 def test_groups_of_one_rank_are_left_out_of_the_line_and_many_others_are_counted():
     # Megatron-Core with TP=2 on 2 ranks: data/pipeline groups of one rank, many undeclared helper groups
-    per_rank = {r: [_g("1", [0, 1], "tensor", "Megatron-Core"), _g(f"{2 + r}", [r], "replicate", "Megatron-Core")]
-                + [_g(str(10 + i), [0, 1]) for i in range(9)] + [_g(str(30 + r), [r])] for r in range(2)}
+    per_rank = {
+        r: [_g("1", [0, 1], "tensor", "Megatron-Core"), _g(f"{2 + r}", [r], "replicate", "Megatron-Core")]
+        + [_g(str(10 + i), [0, 1]) for i in range(9)]
+        + [_g(str(30 + r), [r])]
+        for r in range(2)
+    }
     line = build(per_rank)["line"]
-    assert line == ("topology: 2 ranks; Megatron-Core: tensor [0,1]; no replicas (no group holds the same "
-                    "parameters twice); other groups 10[0,1] 11[0,1] 12[0,1] 13[0,1] 14[0,1] 15[0,1] and 3 more")
+    assert line == (
+        "topology: 2 ranks; Megatron-Core: tensor [0,1]; no replicas (no group holds the same "
+        "parameters twice); other groups 10[0,1] 11[0,1] 12[0,1] 13[0,1] 14[0,1] 15[0,1] and 3 more"
+    )

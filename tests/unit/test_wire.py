@@ -53,14 +53,31 @@ def _digest(number: int = 1) -> NodeDigest:
         seq_age_s=0.25,
     )
     healthy = RankState(
-        rank=0, local_rank=0, world_size=4, pid=4410, alive=True, step=812,
-        heartbeat_age_s=0.1, progress_age_s=0.2, collectives=9921, pgs=[pg],
+        rank=0,
+        local_rank=0,
+        world_size=4,
+        pid=4410,
+        alive=True,
+        step=812,
+        heartbeat_age_s=0.1,
+        progress_age_s=0.2,
+        collectives=9921,
+        pgs=[pg],
     )
     dead = RankState(
-        rank=1, local_rank=1, world_size=4, pid=4411, alive=False, step=811,
-        heartbeat_age_s=3.0, progress_age_s=3.0, collectives=9900, pgs=[],
+        rank=1,
+        local_rank=1,
+        world_size=4,
+        pid=4411,
+        alive=False,
+        step=811,
+        heartbeat_age_s=3.0,
+        progress_age_s=3.0,
+        collectives=9900,
+        pgs=[],
         exit=RankExit(how="signal", code=None, signal=9, message="killed", step=811, age_s=1.5),
-        probe_errors=["fr unavailable"], fr_available=False,
+        probe_errors=["fr unavailable"],
+        fr_available=False,
     )
     return NodeDigest(node_id="node-a", host="b-07", number=number, ranks=[healthy, dead])
 

@@ -117,11 +117,13 @@ class DeviceSampler:
             self._disable(f"no GPU visible to NVML ({count} devices, none opened)")
             return
         self.enabled = True
-        self._throttle = _fallback(nvml, "nvmlDeviceGetCurrentClocksEventReasons",
-                                   "nvmlDeviceGetCurrentClocksThrottleReasons")
+        self._throttle = _fallback(
+            nvml, "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"
+        )
         self._temperature = _fallback(nvml, "nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
-        self._processes = _fallback(nvml, "nvmlDeviceGetComputeRunningProcesses",
-                                    "nvmlDeviceGetComputeRunningProcesses_v2")
+        self._processes = _fallback(
+            nvml, "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2"
+        )
         if xid_events:
             self._start_events()
 
@@ -132,10 +134,12 @@ class DeviceSampler:
         except Exception:
             return None  # no permission on this one (cgroups), or gone: the others are still sampled
         # Identity and the maximum clock do not change while the agent runs: read once.
-        for attr, read in (("uuid", lambda h: _text(nvml.nvmlDeviceGetUUID(h))),
-                           ("name", lambda h: _text(nvml.nvmlDeviceGetName(h))),
-                           ("pci_bus_id", lambda h: _text(nvml.nvmlDeviceGetPciInfo(h).busId)),
-                           ("max_sm_clock_mhz", lambda h: int(nvml.nvmlDeviceGetMaxClockInfo(h, _CLOCK_SM)))):
+        for attr, read in (
+            ("uuid", lambda h: _text(nvml.nvmlDeviceGetUUID(h))),
+            ("name", lambda h: _text(nvml.nvmlDeviceGetName(h))),
+            ("pci_bus_id", lambda h: _text(nvml.nvmlDeviceGetPciInfo(h).busId)),
+            ("max_sm_clock_mhz", lambda h: int(nvml.nvmlDeviceGetMaxClockInfo(h, _CLOCK_SM))),
+        ):
             try:
                 setattr(gpu, attr, read(gpu.handle))
             except Exception as exc:
@@ -195,8 +199,10 @@ class DeviceSampler:
         if not self.enabled:
             return f"device health off: {self.reason}"
         names = sorted({g.name for g in self._gpus if g.name})
-        return (f"device health: {len(self._gpus)} GPU(s) {', '.join(names)}, driver {self.driver or '?'}, "
-                f"XID events {self.xid_status}")
+        return (
+            f"device health: {len(self._gpus)} GPU(s) {', '.join(names)}, driver {self.driver or '?'}, "
+            f"XID events {self.xid_status}"
+        )
 
     # -- sampling -------------------------------------------------------------------------------------
 
@@ -238,8 +244,16 @@ class DeviceSampler:
 
     def _read_gpu(self, gpu: _Gpu, now: float, xids: list[tuple[int, float]]) -> DeviceReading:
         nvml, errors = self._nvml, []
-        r = DeviceReading(index=gpu.index, uuid=gpu.uuid, name=gpu.name, pci_bus_id=gpu.pci_bus_id,
-                          time_s=now, max_sm_clock_mhz=gpu.max_sm_clock_mhz, xids=xids, errors=errors)
+        r = DeviceReading(
+            index=gpu.index,
+            uuid=gpu.uuid,
+            name=gpu.name,
+            pci_bus_id=gpu.pci_bus_id,
+            time_s=now,
+            max_sm_clock_mhz=gpu.max_sm_clock_mhz,
+            xids=xids,
+            errors=errors,
+        )
         for attr in ("uuid", "name", "pci_bus_id", "max_sm_clock_mhz"):
             if attr in gpu.skip:
                 errors.append(f"{attr}: {gpu.skip[attr]}")
@@ -285,8 +299,9 @@ class DeviceSampler:
         nvml = self._nvml
         if "field_values" not in gpu.skip:
             names = list(gpu.field_ids)
-            values = read("field_values", nvml.nvmlDeviceGetFieldValues,
-                          [gpu.field_ids[n] for n in names]) if names else ()
+            values = (
+                read("field_values", nvml.nvmlDeviceGetFieldValues, [gpu.field_ids[n] for n in names]) if names else ()
+            )
             if values is None and "field_values" in gpu.skip:
                 values = ()  # refused as a whole: fall through to the dedicated calls below
             elif values is not None:
@@ -307,10 +322,10 @@ class DeviceSampler:
             if "field_values" not in gpu.skip:
                 return
         # Field values refused (an old driver): the dedicated calls, NVLink counters left out.
-        r.ecc_corrected = _int(read("ecc_corrected", nvml.nvmlDeviceGetTotalEccErrors, _ECC_CORRECTED,
-                                    _VOLATILE_ECC))
-        r.ecc_uncorrected = _int(read("ecc_uncorrected", nvml.nvmlDeviceGetTotalEccErrors, _ECC_UNCORRECTED,
-                                      _VOLATILE_ECC))
+        r.ecc_corrected = _int(read("ecc_corrected", nvml.nvmlDeviceGetTotalEccErrors, _ECC_CORRECTED, _VOLATILE_ECC))
+        r.ecc_uncorrected = _int(
+            read("ecc_uncorrected", nvml.nvmlDeviceGetTotalEccErrors, _ECC_UNCORRECTED, _VOLATILE_ECC)
+        )
         r.pcie_replay = _int(read("pcie_replay", nvml.nvmlDeviceGetPcieReplayCounter))
         r.retired_pages_pending = _int(read("retired_pages_pending", nvml.nvmlDeviceGetRetiredPagesPendingStatus))
         rows = read("remapped_rows", nvml.nvmlDeviceGetRemappedRows)
@@ -371,7 +386,8 @@ def _fallback(nvml: Any, *names: str) -> Callable:
 def _field_value(fv: Any) -> int:
     """The integer in an nvmlFieldValue_t, by its declared type (all the fields read here are counts)."""
     member = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}.get(
-        int(fv.valueType), "ullVal")
+        int(fv.valueType), "ullVal"
+    )
     return int(getattr(fv.value, member))
 
 

@@ -25,8 +25,16 @@ from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, Record
 
 
 class Agent:
-    def __init__(self, run_id: str, coordinator: str, secret: bytes, node_id: str,
-                 interval_s: float = 1.0, tick_s: float = 1.0, stack_method: str = "py-spy") -> None:
+    def __init__(
+        self,
+        run_id: str,
+        coordinator: str,
+        secret: bytes,
+        node_id: str,
+        interval_s: float = 1.0,
+        tick_s: float = 1.0,
+        stack_method: str = "py-spy",
+    ) -> None:
         self.run_id = run_id
         self.node_id = node_id
         self.host = socket.gethostname()
@@ -85,8 +93,15 @@ class Agent:
             for rank in cmd.ranks:
                 view = self.views.get(rank)
                 if view is not None:
-                    self.send(RecordsReport(node_id=self.node_id, request_id=cmd.request_id, rank=rank,
-                                            pg=cmd.pg, records=view.records(cmd.pg, cmd.seq_from, cmd.seq_to)))
+                    self.send(
+                        RecordsReport(
+                            node_id=self.node_id,
+                            request_id=cmd.request_id,
+                            rank=rank,
+                            pg=cmd.pg,
+                            records=view.records(cmd.pg, cmd.seq_from, cmd.seq_to),
+                        )
+                    )
         elif cmd.kind == "trust":
             _write_atomic(trust_path(self.run_id), cmd.payload)
         elif cmd.kind == "replay":
@@ -98,13 +113,24 @@ class Agent:
 
     def _dump_stack(self, request_id: int, view: RankView) -> None:
         method, text = stacks.capture(view.pid, self.run_id, view.rank, prefer=self.stack_method)
-        self.send(StackReport(node_id=self.node_id, request_id=request_id, rank=view.rank, pid=view.pid,
-                              method=method, text=text))
+        self.send(
+            StackReport(
+                node_id=self.node_id, request_id=request_id, rank=view.rank, pid=view.pid, method=method, text=text
+            )
+        )
 
     def _profile(self, request_id: int, view: RankView, seconds: float) -> None:
         method, text = stacks.profile(view.pid, seconds)
-        self.send(StackReport(node_id=self.node_id, request_id=request_id, rank=view.rank, pid=view.pid,
-                              method=method, text=_main_thread_only(text, view.pid)))
+        self.send(
+            StackReport(
+                node_id=self.node_id,
+                request_id=request_id,
+                rank=view.rank,
+                pid=view.pid,
+                method=method,
+                text=_main_thread_only(text, view.pid),
+            )
+        )
 
     def _abort(self) -> None:
         pids = [v.pid for v in self.views.values() if v.pid and v.exit is None]
@@ -212,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     lower_priority(args.nice)
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
-    agent = Agent(args.run_id, args.coordinator, secret, args.node_id, interval_s=args.interval,
-                  stack_method=args.stack_method)
+    agent = Agent(
+        args.run_id, args.coordinator, secret, args.node_id, interval_s=args.interval, stack_method=args.stack_method
+    )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
     agent.run()

@@ -82,8 +82,11 @@ class PgTrack:
         rec = self.pending.get(seq)
         if rec is None and self.records and self.records[0].seq <= seq <= self.records[-1].seq:
             at = seq - self.records[0].seq  # chained records are consecutive unless a gap was given up on
-            rec = self.records[at] if self.records[at].seq == seq else next(
-                (r for r in reversed(self.records) if r.seq == seq), None)
+            rec = (
+                self.records[at]
+                if self.records[at].seq == seq
+                else next((r for r in reversed(self.records) if r.seq == seq), None)
+            )
         if rec is not None and rec.native:
             rec.op, rec.desc, rec.entry_hash = op, desc, entry_hash
 
@@ -198,8 +201,15 @@ class RankView:
             return
         if idx == REPLAY_PG_INDEX:
             layer, _, params = rec.desc.decode(errors="replace").partition("|")
-            self._replays_out.append(ReplayRecord(step=rec.step, layer=layer, output=rec.entry_hash,
-                                                  grads=rec.rolling_hash, params=int(params or "0", 16)))
+            self._replays_out.append(
+                ReplayRecord(
+                    step=rec.step,
+                    layer=layer,
+                    output=rec.entry_hash,
+                    grads=rec.rolling_hash,
+                    params=int(params or "0", 16),
+                )
+            )
             return
         if idx == NONFINITE_PG_INDEX:
             self.nonfinite.append(NonFiniteEvent(step=rec.step, what=rec.desc.decode(errors="replace")))
@@ -213,19 +223,20 @@ class RankView:
             track = self.pgs[name] = PgTrack(name)
         flags = rec.rolling_hash  # collectives use this slot for flags; the agent computes the rolling hash
         if flags & protocol.DETAIL:
-            track.describe(rec.seq, rec.op.decode(errors="replace"), rec.desc.decode(errors="replace"),
-                           rec.entry_hash)
+            track.describe(rec.seq, rec.op.decode(errors="replace"), rec.desc.decode(errors="replace"), rec.entry_hash)
             return
-        track.add(CollectiveRecord(
-            seq=rec.seq,
-            op=rec.op.decode(errors="replace"),
-            desc=rec.desc.decode(errors="replace"),
-            entry_hash=rec.entry_hash,
-            rolling_hash=0,
-            wall_ns=rec.wall_ns,
-            step=rec.step,
-            native=bool(flags & protocol.NATIVE),
-        ))
+        track.add(
+            CollectiveRecord(
+                seq=rec.seq,
+                op=rec.op.decode(errors="replace"),
+                desc=rec.desc.decode(errors="replace"),
+                entry_hash=rec.entry_hash,
+                rolling_hash=0,
+                wall_ns=rec.wall_ns,
+                step=rec.step,
+                native=bool(flags & protocol.NATIVE),
+            )
+        )
 
     def _ingest_step(self, rec) -> None:
         """Step timings ("step"), call sites of slow loads/saves ("site") and link-probe results ("link")."""
@@ -248,12 +259,21 @@ class RankView:
         for part in filter(None, groups.split(",")):
             name, _, t = part.rpartition("=")
             pg_wait[name] = int(t) / 1e6
-        self._steps_out.append(StepRecord(
-            step=rec.step, wall_s=rec.rolling_hash / 1e9, cpu_s=rec.entry_hash / 1e9,
-            data_s=us[0] / 1e6, ckpt_s=us[1] / 1e6, wait_s=us[2] / 1e6,
-            gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], GPU_UNMEASURED)),
-            gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], GPU_UNMEASURED)),
-            pg_wait=pg_wait, runq_s=us[5] / 1e6 if us[5] >= 0 else -1.0, probe_thread_s=us[6] / 1e6))
+        self._steps_out.append(
+            StepRecord(
+                step=rec.step,
+                wall_s=rec.rolling_hash / 1e9,
+                cpu_s=rec.entry_hash / 1e9,
+                data_s=us[0] / 1e6,
+                ckpt_s=us[1] / 1e6,
+                wait_s=us[2] / 1e6,
+                gpu_s=us[3] / 1e6 if us[3] >= 0 else float(max(us[3], GPU_UNMEASURED)),
+                gpu_wait_s=us[4] / 1e6 if us[4] >= 0 else float(max(us[4], GPU_UNMEASURED)),
+                pg_wait=pg_wait,
+                runq_s=us[5] / 1e6 if us[5] >= 0 else -1.0,
+                probe_thread_s=us[6] / 1e6,
+            )
+        )
 
     def _ingest_evidence(self, rec) -> None:
         """A step's loss and layer norms; a large model's norms come in several records (parts)."""
@@ -270,8 +290,8 @@ class RankView:
             norms = np.full(layers, np.nan, dtype=np.float32)
         start = part * NORMS_PER_RECORD
         # numpy's bytes fields drop trailing zero bytes (a norm of 0.0 ends in them): pad back
-        values = np.frombuffer(rec.desc.ljust(4 * count, b"\0")[:4 * count], dtype="<f4")
-        norms[start:start + count] = values[: max(0, layers - start)]
+        values = np.frombuffer(rec.desc.ljust(4 * count, b"\0")[: 4 * count], dtype="<f4")
+        norms[start : start + count] = values[: max(0, layers - start)]
         filled += count
         if filled >= layers:
             self._numerics_out.append(NumericRecord(step=rec.step, loss=loss_seen, norms=norms.tolist()))
@@ -300,8 +320,11 @@ class RankView:
         name = self._tensor_names[tid] if tid < len(self._tensor_names) else f"tensor#{tid}"
         group = self._tensor_groups[tid] if tid < len(self._tensor_groups) else None
         start, _, end = rec.desc.decode().partition(":")
-        self._state_out.append(StateRecord(step=rec.step, tensor=name, start=int(start), end=int(end),
-                                           digest=rec.entry_hash, group=group or ""))
+        self._state_out.append(
+            StateRecord(
+                step=rec.step, tensor=name, start=int(start), end=int(end), digest=rec.entry_hash, group=group or ""
+            )
+        )
 
     def _tensor_table_changed(self) -> bool:
         """The probe rewrites the table when its schedule changes (stride, slots): look once a second."""
@@ -354,9 +377,14 @@ class RankView:
             # exit is not a rank that hangs, and its peers may block on it meanwhile.
             code = int(h["exit_code"])
             sig = int(h["exit_signal"]) or None
-            self.exit = RankExit(how=h["exit_how"].decode(errors="replace") or "exit",
-                                 code=None if code == -1 else code, signal=sig,
-                                 message=h["exit_text"].decode(errors="replace"), step=int(h["step"]), age_s=0.0)
+            self.exit = RankExit(
+                how=h["exit_how"].decode(errors="replace") or "exit",
+                code=None if code == -1 else code,
+                signal=sig,
+                message=h["exit_text"].decode(errors="replace"),
+                step=int(h["step"]),
+                age_s=0.0,
+            )
             # the rank's own clock (same host): exits seen in one tick keep the order they happened in
             recorded_ns = int(h["exit_ns"])
             self._exit_seen_ns = min(recorded_ns, time.monotonic_ns()) if recorded_ns > 0 else time.monotonic_ns()
@@ -365,9 +393,14 @@ class RankView:
             code, sig = (None, None)
             if zombie_status is not None:
                 code, sig = zombie_status
-            self.exit = RankExit(how="signal" if sig else "vanished", code=code, signal=sig,
-                                 message="process ended without an exit record (killed or crashed hard)",
-                                 step=int(h["step"]), age_s=0.0)
+            self.exit = RankExit(
+                how="signal" if sig else "vanished",
+                code=code,
+                signal=sig,
+                message="process ended without an exit record (killed or crashed hard)",
+                step=int(h["step"]),
+                age_s=0.0,
+            )
         else:
             return
         self._exit_seen_ns = time.monotonic_ns()
@@ -386,31 +419,64 @@ class RankView:
                 cpu = 0.0
         exit_ = None
         if self.exit is not None:
-            exit_ = RankExit(how=self.exit.how, code=self.exit.code, signal=self.exit.signal,
-                             message=self.exit.message, step=self.exit.step,
-                             age_s=(now - self._exit_seen_ns) / 1e9)
+            exit_ = RankExit(
+                how=self.exit.how,
+                code=self.exit.code,
+                signal=self.exit.signal,
+                message=self.exit.message,
+                step=self.exit.step,
+                age_s=(now - self._exit_seen_ns) / 1e9,
+            )
         pgs = [
-            PgState(name=t.name, desc=t.desc, members=t.members, seq=t.seq, rolling_hash=t.rolling,
-                    anchors=list(t.anchors), recent=t.recent(RECENT_IN_DIGEST),
-                    seq_age_s=(now - t.changed_ns) / 1e9, chained_seq=t.chained_seq, complete=t.complete,
-                    role=t.role, framework=t.framework)
+            PgState(
+                name=t.name,
+                desc=t.desc,
+                members=t.members,
+                seq=t.seq,
+                rolling_hash=t.rolling,
+                anchors=list(t.anchors),
+                recent=t.recent(RECENT_IN_DIGEST),
+                seq_age_s=(now - t.changed_ns) / 1e9,
+                chained_seq=t.chained_seq,
+                complete=t.complete,
+                role=t.role,
+                framework=t.framework,
+            )
             for t in self.pgs.values()
         ]
         errors = [h["error_text"].decode(errors="replace")] if h["error_text"] else []
         if int(h["sig_mismatch"]):
-            errors.append("the Python collective path described a collective differently from the Flight "
-                          "Recorder (protocol checks may misfire; please report)")
+            errors.append(
+                "the Python collective path described a collective differently from the Flight "
+                "Recorder (protocol checks may misfire; please report)"
+            )
         return RankState(
-            rank=int(h["rank"]), local_rank=int(h["local_rank"]), world_size=int(h["world_size"]),
-            pid=int(h["pid"]), alive=self.exit is None, step=int(h["step"]),
+            rank=int(h["rank"]),
+            local_rank=int(h["local_rank"]),
+            world_size=int(h["world_size"]),
+            pid=int(h["pid"]),
+            alive=self.exit is None,
+            step=int(h["step"]),
             heartbeat_age_s=(now - int(h["heartbeat_ns"])) / 1e9,
             progress_age_s=(now - progress_ns) / 1e9,
-            collectives=int(h["collectives"]), pgs=pgs, exit=exit_, cpu_percent=cpu,
-            probe_errors=errors, fr_available=bool(int(h["fr_available"])),
-            replica_group=self.replica_group, state=self.take_state(), nonfinite=list(self.nonfinite),
-            replays=self.take_replays(), steps=self.take_steps(), state_period=self.state_period,
-            state_slots=self.state_slots, replay_layers=self.replay_layers, io_sites=dict(self.io_sites),
-            links=self.take_links(), numerics=self.take_numerics(), numeric_layers=self.numeric_layers,
+            collectives=int(h["collectives"]),
+            pgs=pgs,
+            exit=exit_,
+            cpu_percent=cpu,
+            probe_errors=errors,
+            fr_available=bool(int(h["fr_available"])),
+            replica_group=self.replica_group,
+            state=self.take_state(),
+            nonfinite=list(self.nonfinite),
+            replays=self.take_replays(),
+            steps=self.take_steps(),
+            state_period=self.state_period,
+            state_slots=self.state_slots,
+            replay_layers=self.replay_layers,
+            io_sites=dict(self.io_sites),
+            links=self.take_links(),
+            numerics=self.take_numerics(),
+            numeric_layers=self.numeric_layers,
             device=self.device,
         )
 

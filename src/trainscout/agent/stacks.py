@@ -40,8 +40,23 @@ def profile(pid: int, seconds: float = 2.0, rate: int = 100) -> tuple[str, str]:
     fd, path = tempfile.mkstemp(prefix="trainscout-profile-", suffix=".txt")
     os.close(fd)
     try:
-        cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
-               "--format", "raw", "--nonblocking", "--idle", "--threads", "-o", path]
+        cmd = [
+            exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(max(1, round(seconds))),
+            "--rate",
+            str(rate),
+            "--format",
+            "raw",
+            "--nonblocking",
+            "--idle",
+            "--threads",
+            "-o",
+            path,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 10)
         if done.returncode != 0:
             return "none", ""

@@ -28,8 +28,11 @@ assert RECORD_DTYPE.fields["lock"][1] == 0 and RECORD_DTYPE.itemsize == _LOCK.si
 assert [RECORD_DTYPE.fields[f][1] for f in _PAYLOAD_FIELDS] == [8, 16, 24, 32, 40, 48, 56, 80]
 # Header integers are stored the same way: one struct store (~0.2 us) where a numpy field assignment took ~1 us,
 # and the training thread sets several per step. Text fields go through numpy.
-_INT_FIELDS = {name: (offset, struct.Struct("<" + {"<i8": "q", "<u8": "Q"}[dt.str]))
-               for name, (dt, offset) in HEADER_DTYPE.fields.items() if dt.str in ("<i8", "<u8")}
+_INT_FIELDS = {
+    name: (offset, struct.Struct("<" + {"<i8": "q", "<u8": "Q"}[dt.str]))
+    for name, (dt, offset) in HEADER_DTYPE.fields.items()
+    if dt.str in ("<i8", "<u8")
+}
 
 
 _RING_HEAD_AT, _RING_HEAD = _INT_FIELDS["ring_head"]
@@ -66,14 +69,33 @@ class ChannelWriter:
         else:
             spec[1].pack_into(self._mm, spec[0], int(value))
 
-    def append(self, pg_index: int, seq: int, entry_hash: int, rolling_hash: int, wall_ns: int,
-               step: int, op: str, desc: str | bytes) -> None:
+    def append(
+        self,
+        pg_index: int,
+        seq: int,
+        entry_hash: int,
+        rolling_hash: int,
+        wall_ns: int,
+        step: int,
+        op: str,
+        desc: str | bytes,
+    ) -> None:
         off = HEADER_BYTES + (self._head % RING_SLOTS) * RECORD_DTYPE.itemsize
         mm = self._mm
         lock = (_LOCK.unpack_from(mm, off)[0] + 1) | 1
         _LOCK.pack_into(mm, off, lock)  # odd: being written
-        _PAYLOAD.pack_into(mm, off + _LOCK.size, pg_index, seq, entry_hash, rolling_hash, wall_ns, step,
-                           op.encode()[:24], (desc if isinstance(desc, bytes) else desc.encode())[:120])
+        _PAYLOAD.pack_into(
+            mm,
+            off + _LOCK.size,
+            pg_index,
+            seq,
+            entry_hash,
+            rolling_hash,
+            wall_ns,
+            step,
+            op.encode()[:24],
+            (desc if isinstance(desc, bytes) else desc.encode())[:120],
+        )
         _LOCK.pack_into(mm, off, lock + 1)  # even: complete
         self._head += 1
         _RING_HEAD.pack_into(mm, _RING_HEAD_AT, self._head)

@@ -100,7 +100,5 @@ def vote_exact_array(members: np.ndarray, values: np.ndarray) -> Verdict:
     first_member = sorted_members[starts]
     group_order = np.lexsort((first_member, -counts))
     # One entry per distinct value, not per member: the slices are converted in C by tolist().
-    groups = {
-        uniq[g].item(): sorted_members[starts[g] : starts[g] + counts[g]].tolist() for g in group_order.tolist()
-    }
+    groups = {uniq[g].item(): sorted_members[starts[g] : starts[g] + counts[g]].tolist() for g in group_order.tolist()}
     return _decide(n, groups)

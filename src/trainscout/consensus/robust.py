@@ -33,8 +33,11 @@ MAD_FLOOR_ABS = 1e-12
 
 def median_mad(x) -> tuple[float, float]:
     """Median and (unscaled) median absolute deviation of a non-empty 1-D sample."""
-    values = [float(v) for v in np.asarray(x, dtype=np.float64).reshape(-1)] if isinstance(x, np.ndarray) else \
-        [float(v) for v in x]
+    values = (
+        [float(v) for v in np.asarray(x, dtype=np.float64).reshape(-1)]
+        if isinstance(x, np.ndarray)
+        else [float(v) for v in x]
+    )
     if not values:
         raise ValueError("median_mad of an empty sample")
     median = statistics.median(values)
@@ -60,6 +63,7 @@ def vote_statistical(
     Plain Python, not numpy: the coordinator votes every step on a handful of values, where numpy's
     per-call cost is ten times the work.
     """
+
     def against_class(member, v, median, mad):
         return median, mad
 
@@ -116,8 +120,11 @@ def _vote(samples, reference, rel_threshold, abs_threshold, z_threshold, min_mem
         # step, z alone flags anything when peers agree exactly. Below min_members a spread is meaningless
         # (with 2 members z is always 0.67), so a clear relative and absolute gap alone makes the class
         # disagree; such a verdict is inconclusive below anyway.
-        if excess > rel_threshold * centre and excess > abs_threshold and (
-                n < min_members or excess / scale > z_threshold):
+        if (
+            excess > rel_threshold * centre
+            and excess > abs_threshold
+            and (n < min_members or excess / scale > z_threshold)
+        ):
             # the ratio is what a person reads ("rank 13 is 2.1x slower"); undefined for a centre <= 0
             suspects.append((member, v / centre if centre > 0 else None, excess / scale))
     if not suspects:

@@ -87,28 +87,39 @@ class Confirmations:
             rank = f.culprit_ranks[0]
             deviated = sorted(layer for layer, v in replayed.items() if v is not None and rank in v[1])
             state_bad = rank in state_outliers.get(p.step, set())
-            checked = [f"replay of {', '.join(sorted(layer for layer, v in replayed.items() if v is not None))}"
-                       if any(v is not None for v in replayed.values()) else "",
-                       "the whole replicated state" if state_done else ""]
+            checked = [
+                f"replay of {', '.join(sorted(layer for layer, v in replayed.items() if v is not None))}"
+                if any(v is not None for v in replayed.values())
+                else "",
+                "the whole replicated state" if state_done else "",
+            ]
             checked_text = " and ".join(c for c in checked if c) or "nothing (no result came back)"
             if deviated or state_bad:
                 outcome = "reproduced"
                 what = []
                 if deviated:
-                    what.append(f"replaying {', '.join(deviated)} on the same input gives different results on "
-                                f"rank {rank}")
+                    what.append(
+                        f"replaying {', '.join(deviated)} on the same input gives different results on rank {rank}"
+                    )
                 if state_bad:
                     what.append(f"rank {rank}'s replicated state differs from its replicas'")
                 text = f"confirmed at step {p.step}: " + "; ".join(what)
             elif state_done or any(v is not None for v in replayed.values()):
                 outcome = "transient"
-                text = (f"not reproduced at step {p.step} ({checked_text} agree with the replicas): a transient "
-                        "fault, or one outside what replay recomputes")
+                text = (
+                    f"not reproduced at step {p.step} ({checked_text} agree with the replicas): a transient "
+                    "fault, or one outside what replay recomputes"
+                )
             else:
                 outcome = "unconfirmed"
                 text = "no confirmation came back (replay off, or the job stopped first)"
-            f.evidence["confirmation"] = {"outcome": outcome, "step": p.step, "layers_replayed": p.layers,
-                                          "layers_deviating": deviated, "state_differs": state_bad}
+            f.evidence["confirmation"] = {
+                "outcome": outcome,
+                "step": p.step,
+                "layers_replayed": p.layers,
+                "layers_deviating": deviated,
+                "state_differs": state_bad,
+            }
             f.confidence = CONFIDENCE[outcome]
             f.summary += f"; {text}"
             out.append(f)
@@ -132,17 +143,36 @@ class Confirmations:
 def numeric_finding(s: NumericSuspect) -> Finding:
     """The statistical finding a suspect becomes (completed by a confirmation)."""
     if s.statistic == "loss":
-        what = (f"its local loss is {s.ratio:.2f}x its peers' median (robust z {s.z:+.1f}) in "
-                f"{len(s.steps)} of the last steps")
+        what = (
+            f"its local loss is {s.ratio:.2f}x its peers' median (robust z {s.z:+.1f}) in "
+            f"{len(s.steps)} of the last steps"
+        )
     elif s.pattern == "spike":
-        what = (f"its local gradient of {s.layer} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
-                f"{s.step}, before the all-reduce, while its loss agreed with theirs")
+        what = (
+            f"its local gradient of {s.layer} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
+            f"{s.step}, before the all-reduce, while its loss agreed with theirs"
+        )
     else:
-        what = (f"its local gradient norm of {s.layer} is {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) in "
-                f"{len(s.steps)} of the last steps, before the all-reduce")
-    return Finding(kind=SDC, culprit_ranks=[s.rank], step=s.step, pg=f"numeric:{s.statistic}:{s.layer}",
-                   collective_seq=s.step if s.pattern == "spike" else None,
-                   summary=f"rank {s.rank} computes different numbers than its replicas: {what}",
-                   evidence={"check": f"numeric_{s.statistic}", "statistic": s.statistic, "pattern": s.pattern,
-                             "layer": s.layer, "ratio": round(s.ratio, 4), "z": round(s.z, 2),
-                             "flagged_steps": s.steps, "layers": s.layers, "loss_z": round(s.loss_z, 2)})
+        what = (
+            f"its local gradient norm of {s.layer} is {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) in "
+            f"{len(s.steps)} of the last steps, before the all-reduce"
+        )
+    return Finding(
+        kind=SDC,
+        culprit_ranks=[s.rank],
+        step=s.step,
+        pg=f"numeric:{s.statistic}:{s.layer}",
+        collective_seq=s.step if s.pattern == "spike" else None,
+        summary=f"rank {s.rank} computes different numbers than its replicas: {what}",
+        evidence={
+            "check": f"numeric_{s.statistic}",
+            "statistic": s.statistic,
+            "pattern": s.pattern,
+            "layer": s.layer,
+            "ratio": round(s.ratio, 4),
+            "z": round(s.z, 2),
+            "flagged_steps": s.steps,
+            "layers": s.layers,
+            "loss_z": round(s.loss_z, 2),
+        },
+    )

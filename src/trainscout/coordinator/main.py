@@ -94,10 +94,19 @@ REPLAY_LEAD_STEPS = 10
 
 
 class Coordinator:
-    def __init__(self, endpoint: CoordinatorEndpoint, run_dir: str, console: ConsoleSink, *,
-                 hang_timeout_s: float = config.RUN.hang_timeout, stall_timeout_s: float = config.RUN.stall_timeout,
-                 abort_on: set[str] | None = None, stack_timeout_s: float = 4.0, agent_silence_s: float = 3.0,
-                 gpu_stragglers: bool = True) -> None:
+    def __init__(
+        self,
+        endpoint: CoordinatorEndpoint,
+        run_dir: str,
+        console: ConsoleSink,
+        *,
+        hang_timeout_s: float = config.RUN.hang_timeout,
+        stall_timeout_s: float = config.RUN.stall_timeout,
+        abort_on: set[str] | None = None,
+        stack_timeout_s: float = 4.0,
+        agent_silence_s: float = 3.0,
+        gpu_stragglers: bool = True,
+    ) -> None:
         self.endpoint = endpoint
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
@@ -145,8 +154,9 @@ class Coordinator:
 
     # ---- messages -------------------------------------------------------------------------
     def handle(self, identity: bytes, msg, now: float) -> None:
-        node = self.nodes.setdefault(identity, {"last": now, "name": identity.decode(errors="replace"),
-                                                "lost": False, "gone": False})
+        node = self.nodes.setdefault(
+            identity, {"last": now, "name": identity.decode(errors="replace"), "lost": False, "gone": False}
+        )
         node["last"] = now
         if node["lost"]:
             node["lost"] = False
@@ -174,8 +184,13 @@ class Coordinator:
                 if st.steps or st.numerics:
                     self.evidence_log.write(st.rank, st.steps, st.numerics, st.numeric_layers, len(self.ranks))
                 if st.numerics and st.replica_group:
-                    self.numerics.add(st.rank, st.replica_group, st.numeric_layers,
-                                      [(n.step, n.loss, n.norms) for n in st.numerics], now)
+                    self.numerics.add(
+                        st.rank,
+                        st.replica_group,
+                        st.numeric_layers,
+                        [(n.step, n.loss, n.norms) for n in st.numerics],
+                        now,
+                    )
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
             top = max(o.state.step for o in self.ranks.values()) if self.ranks else 0
@@ -227,11 +242,18 @@ class Coordinator:
         out = []
         for obs in self.devices.update(list(classes.values()), now):
             ranks = sorted(r for r, g in self.rank_gpu.items() if g == obs.gpu)
-            out.append(Finding(kind=HEALTH, summary=obs.summary, culprit_ranks=ranks if obs.attributable else [],
-                               status="attributed" if obs.attributable else "inconclusive",
-                               confidence=0.9 if obs.attributable else 0.4, devices=[obs.gpu],
-                               pg=f"device:{obs.gpu}",
-                               evidence={"type": obs.kind, "gpu": obs.gpu, **obs.evidence}))
+            out.append(
+                Finding(
+                    kind=HEALTH,
+                    summary=obs.summary,
+                    culprit_ranks=ranks if obs.attributable else [],
+                    status="attributed" if obs.attributable else "inconclusive",
+                    confidence=0.9 if obs.attributable else 0.4,
+                    devices=[obs.gpu],
+                    pg=f"device:{obs.gpu}",
+                    evidence={"type": obs.kind, "gpu": obs.gpu, **obs.evidence},
+                )
+            )
         return out
 
     def _probe_error(self, rank: int, err: str) -> None:
@@ -259,10 +281,15 @@ class Coordinator:
         members = {pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members}
         live = {r for r, o in seen.items() if o.state.alive}
         replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
-        for f in (self.state.update(now, members, live) + self._numeric(now, live) + self.nonfinite.update(now, self.ranks)
-                  + self.hpz.update(now, live)
-                  + self.replay.update(now, replicas) + self._stragglers(now, live)
-                  + self._device_findings(now, live)):
+        for f in (
+            self.state.update(now, members, live)
+            + self._numeric(now, live)
+            + self.nonfinite.update(now, self.ranks)
+            + self.hpz.update(now, live)
+            + self.replay.update(now, replicas)
+            + self._stragglers(now, live)
+            + self._device_findings(now, live)
+        ):
             self.emit(f, now)
         if self.root_found:
             self.exits.done = True  # later exits follow from the fault already named
@@ -276,8 +303,13 @@ class Coordinator:
         """Which groups exist and which ranks are replicas: topology.json, an event, a console line."""
         # Only what the topology reads (not the records each digest carries), and nothing to redo while it
         # stands and its line is shown: groups and roles change at start-up, rarely later.
-        groups = {r: [{"name": pg.name, "desc": pg.desc, "members": pg.members, "role": pg.role,
-                       "framework": pg.framework} for pg in o.state.pgs] for r, o in self.ranks.items()}
+        groups = {
+            r: [
+                {"name": pg.name, "desc": pg.desc, "members": pg.members, "role": pg.role, "framework": pg.framework}
+                for pg in o.state.pgs
+            ]
+            for r, o in self.ranks.items()
+        }
         key = repr(sorted(groups.items()))
         if key == self._topology_key:
             return
@@ -304,9 +336,14 @@ class Coordinator:
         verified, first = verified_window(self.state.step_clean, slots)
         if suspect_since is not None and first > suspect_since:
             suspect_since = None  # a whole clean rotation after the finding re-verified the state
-        return {"verified_step": verified, "state_period": period, "suspect_since": suspect_since,
-                "replay_layers": layers, "replay_rotation_clean": set(layers) <= self.replay.clean_layers,
-                "findings": [f.summary for f in integrity][-5:]}
+        return {
+            "verified_step": verified,
+            "state_period": period,
+            "suspect_since": suspect_since,
+            "replay_layers": layers,
+            "replay_rotation_clean": set(layers) <= self.replay.clean_layers,
+            "findings": [f.summary for f in integrity][-5:],
+        }
 
     def _publish_trust(self, now: float) -> None:
         if now < self._next_trust:
@@ -368,8 +405,11 @@ class Coordinator:
             f.evidence["where"] = where.frame
             f.evidence["where_share"] = round(where.share, 3)
             site = f.stacks.get(str(p.culprit))
-            f.stacks[str(p.culprit)] = "[sampled, against its peers]\n" + where.line() + (
-                f"\n[call site of slow loads/saves] {site}" if site else "")
+            f.stacks[str(p.culprit)] = (
+                "[sampled, against its peers]\n"
+                + where.line()
+                + (f"\n[call site of slow loads/saves] {site}" if site else "")
+            )
             f.summary += f"; its time goes to {where.frame}"
         elif slow:  # sampled, but no function holds its excess alone (spread over its code, or the job ended)
             f.evidence["where"] = None
@@ -386,11 +426,20 @@ class Coordinator:
         suspects = self.numerics.update(now, classes)
         if suspects:  # what the probes can replay, as the rotation orders it
             self.confirmations.replay_layers = next(
-                (list(o.state.replay_layers) for o in self.ranks.values() if o.state.replay_layers), [])
+                (list(o.state.replay_layers) for o in self.ranks.values() if o.state.replay_layers), []
+            )
         for s in suspects:
             self.confirmations.add(s, confirmation.numeric_finding(s))
-            self.events.write("numeric_suspect", rank=s.rank, step=s.step, statistic=s.statistic, pattern=s.pattern,
-                              layer=s.layer, ratio=round(s.ratio, 4), z=round(s.z, 2))
+            self.events.write(
+                "numeric_suspect",
+                rank=s.rank,
+                step=s.step,
+                statistic=s.statistic,
+                pattern=s.pattern,
+                layer=s.layer,
+                ratio=round(s.ratio, 4),
+                z=round(s.z, 2),
+            )
         if self.confirmations.queued is not None and self.confirmations.current is None:
             step, rate = self._step_ahead(now, confirmation.LEAD_S, lead_steps=3)
             rid = next(self.request_ids)
@@ -400,11 +449,18 @@ class Coordinator:
                 for ident in self.nodes:
                     self.endpoint.send(ident, Command(kind="replay", request_id=rid, payload=payload))
                 pending = self.confirmations.current
-                self.console.info(f"numerical outlier on rank(s) {', '.join(map(str, sorted(pending.ranks)))}: "
-                                  f"confirming at step {step} (replay of {', '.join(pending.layers) or 'nothing'}, "
-                                  "the whole replicated state)")
-                self.events.write("confirmation_requested", step=step, layers=pending.layers,
-                                  ranks=sorted(pending.ranks), steps_per_s=round(rate, 2))
+                self.console.info(
+                    f"numerical outlier on rank(s) {', '.join(map(str, sorted(pending.ranks)))}: "
+                    f"confirming at step {step} (replay of {', '.join(pending.layers) or 'nothing'}, "
+                    "the whole replicated state)"
+                )
+                self.events.write(
+                    "confirmation_requested",
+                    step=step,
+                    layers=pending.layers,
+                    ranks=sorted(pending.ranks),
+                    steps_per_s=round(rate, 2),
+                )
         return self.confirmations.resolve(now, self.replay.outcomes, self.state.step_clean, self.state.outliers_at)
 
     def _schedule_link_probe(self, now: float, pg: str, members: list[int], before_s: float, now_s: float) -> None:
@@ -418,12 +474,15 @@ class Coordinator:
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="linkprobe", request_id=rid, payload=payload))
         self.straggler.comm.scheduled(rid, pg, members, step, before_s, now_s, now)
-        self.console.info(f"collectives of pg {pg} slowed on every member ({before_s * 1e3:.1f} -> "
-                          f"{now_s * 1e3:.1f} ms per step): link probe at step {step}")
+        self.console.info(
+            f"collectives of pg {pg} slowed on every member ({before_s * 1e3:.1f} -> "
+            f"{now_s * 1e3:.1f} ms per step): link probe at step {step}"
+        )
         self.events.write("link_probe_requested", pg=pg, step=step, members=members, steps_per_s=round(rate, 2))
 
-    def _step_ahead(self, now: float, lead_s: float = REPLAY_LEAD_S,
-                    lead_steps: int = REPLAY_LEAD_STEPS) -> tuple[int | None, float]:
+    def _step_ahead(
+        self, now: float, lead_s: float = REPLAY_LEAD_S, lead_steps: int = REPLAY_LEAD_STEPS
+    ) -> tuple[int | None, float]:
         """A step a few seconds of training ahead of where the ranks are now, and the recent step rate.
 
         The furthest step known is a digest old (up to an agent interval, plus the coordinator's own
@@ -462,8 +521,10 @@ class Coordinator:
         layers = sorted({layer for o in self.ranks.values() for layer in o.state.replay_layers})
         layer = str(request.get("layer") or "")
         if not layers or not self._step_history:
-            self.console.warn("replay request ignored: no rank has replay enabled yet (DDP over 3+ replicas, "
-                              "TRAINSCOUT_REPLAY_EVERY > 0)")
+            self.console.warn(
+                "replay request ignored: no rank has replay enabled yet (DDP over 3+ replicas, "
+                "TRAINSCOUT_REPLAY_EVERY > 0)"
+            )
             self.events.write("replay_request_ignored", reason="no replay layers")
             return
         if layer and layer not in layers:
@@ -490,7 +551,9 @@ class Coordinator:
             if self.endpoint.send(ident, Command(kind="dump_stacks", request_id=rid, ranks=ranks)):
                 sent.update(ranks)
         self.pending_stacks[rid] = PendingStacks(suspect.finding, sent, now + self.stack_timeout_s)
-        self.events.write("suspect", finding_kind=suspect.finding.kind, ranks=suspect.finding.culprit_ranks, request=rid)
+        self.events.write(
+            "suspect", finding_kind=suspect.finding.kind, ranks=suspect.finding.culprit_ranks, request=rid
+        )
 
     def _on_stack(self, msg: StackReport, now: float) -> None:
         profile = self.pending_profiles.get(msg.request_id)
@@ -516,8 +579,17 @@ class Coordinator:
             if r in self.rank_node:
                 by_node.setdefault(self.rank_node[r], []).append(r)
         for ident, ranks in by_node.items():
-            self.endpoint.send(ident, Command(kind="fetch_records", request_id=rid, ranks=ranks, pg=req.pg,
-                                              seq_from=req.seq_from, seq_to=req.seq_to))
+            self.endpoint.send(
+                ident,
+                Command(
+                    kind="fetch_records",
+                    request_id=rid,
+                    ranks=ranks,
+                    pg=req.pg,
+                    seq_from=req.seq_from,
+                    seq_to=req.seq_to,
+                ),
+            )
         self.pending_fetch[rid] = PendingFetch(req, set(req.ranks), now + self.stack_timeout_s)
 
     def _on_records(self, msg: RecordsReport, now: float) -> None:
@@ -571,8 +643,11 @@ class Coordinator:
         if not f.pids:
             f.pids = [o.state.pid for o in obs]
         if not f.devices:
-            f.devices = [self.rank_gpu.get(r, f"local_rank {self.ranks[r].state.local_rank}")
-                         for r in f.culprit_ranks if r in self.ranks]
+            f.devices = [
+                self.rank_gpu.get(r, f"local_rank {self.ranks[r].state.local_rank}")
+                for r in f.culprit_ranks
+                if r in self.ranks
+            ]
         for r in f.culprit_ranks:  # what the culprit's GPU looked like when the finding was made
             gpu = self.rank_gpu.get(r)
             text = self.devices.summary(gpu) if gpu is not None else None
@@ -588,10 +663,16 @@ class Coordinator:
 
     def _watch_agents(self, now: float) -> None:
         for node in self.nodes.values():
-            if node.get("agent") and not node["gone"] and not node["lost"] and now - node["last"] > self.agent_silence_s:
+            if (
+                node.get("agent")
+                and not node["gone"]
+                and not node["lost"]
+                and now - node["last"] > self.agent_silence_s
+            ):
                 node["lost"] = True
-                self.console.warn(f"lost contact with the agent of node {node['name']}: "
-                                  "monitoring of its ranks is interrupted")
+                self.console.warn(
+                    f"lost contact with the agent of node {node['name']}: monitoring of its ranks is interrupted"
+                )
                 self.events.write("agent_lost", node=node["name"])
 
     # ---- main loop ------------------------------------------------------------------------
@@ -626,7 +707,8 @@ class Coordinator:
             if got is not None:
                 self.handle(got[0], got[1], time.monotonic())
             elif any(n.get("agent") for n in self.nodes.values()) and all(
-                    n["gone"] for n in self.nodes.values() if n.get("agent")):
+                n["gone"] for n in self.nodes.values() if n.get("agent")
+            ):
                 break
         self.launcher_done = True
         now = time.monotonic()
@@ -641,8 +723,13 @@ class Coordinator:
         for f in self.confirmations.abandon():
             self.emit(f, now)
         self.events.write("straggler_trace", steps=self.straggler.trace_rows(), waits="per-step")
-        self.events.write("coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected),
-                          state_ranges_compared=self.state.compared, replays_compared=self.replay.replays_compared)
+        self.events.write(
+            "coordinator_exit",
+            findings=len(self.findings),
+            rejected=dict(self.endpoint.rejected),
+            state_ranges_compared=self.state.compared,
+            replays_compared=self.replay.replays_compared,
+        )
         self.evidence_log.close()
         self.endpoint.close()
 
@@ -662,10 +749,15 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = CoordinatorEndpoint(args.bind, secret)
     rich = {"auto": None, "rich": True, "plain": False}[args.console]
     console = ConsoleSink(sys.stdout, rich=rich)
-    coord = Coordinator(endpoint, args.run_dir, console, hang_timeout_s=args.hang_timeout,
-                        stall_timeout_s=args.stall_timeout,
-                        abort_on={k for k in args.abort_on.split(",") if k},
-                        gpu_stragglers=config.from_environ()[0].stragglers.gpu)
+    coord = Coordinator(
+        endpoint,
+        args.run_dir,
+        console,
+        hang_timeout_s=args.hang_timeout,
+        stall_timeout_s=args.stall_timeout,
+        abort_on={k for k in args.abort_on.split(",") if k},
+        gpu_stragglers=config.from_environ()[0].stragglers.gpu,
+    )
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:
         fh.write(endpoint.address)

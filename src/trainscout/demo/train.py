@@ -63,22 +63,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--pause-at", type=int, default=None, metavar="STEP",
-                        help="after this step every rank saves a checkpoint and sleeps --pause-seconds")
+    parser.add_argument(
+        "--pause-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="after this step every rank saves a checkpoint and sleeps --pause-seconds",
+    )
     parser.add_argument("--pause-seconds", type=float, default=5.0)
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR")
     parser.add_argument("--slow-ms", type=float, default=0.0, help="every rank sleeps this long each step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: each rank computes on GPU LOCAL_RANK modulo the GPUs present, still over gloo, "
-                             "so several ranks may share one GPU (NCCL refuses that): 3+ replicas on one GPU")
-    parser.add_argument("--stop-file", default=None, metavar="PATH",
-                        help="end training (every rank, at the same step) once this file exists; looked for "
-                             "every 10 steps")
-    parser.add_argument("--timing-file", default=None, metavar="PATH",
-                        help="rank 0 writes each step's wall seconds and its end time (monotonic clock, seconds) "
-                             "here, one step per line, after training")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: each rank computes on GPU LOCAL_RANK modulo the GPUs present, still over gloo, "
+        "so several ranks may share one GPU (NCCL refuses that): 3+ replicas on one GPU",
+    )
+    parser.add_argument(
+        "--stop-file",
+        default=None,
+        metavar="PATH",
+        help="end training (every rank, at the same step) once this file exists; looked for every 10 steps",
+    )
+    parser.add_argument(
+        "--timing-file",
+        default=None,
+        metavar="PATH",
+        help="rank 0 writes each step's wall seconds and its end time (monotonic clock, seconds) "
+        "here, one step per line, after training",
+    )
     return parser.parse_args(argv)
 
 
@@ -89,8 +105,9 @@ def batches(loader: DataLoader, sampler: DistributedSampler) -> Iterator[tuple[t
         yield from loader
 
 
-def save_checkpoint(directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    rank: int) -> str | None:
+def save_checkpoint(
+    directory: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> str | None:
     """Rank 0 writes DIR/step-NNNNNN.pt atomically (DDP state is replicated, so one copy is the checkpoint);
     other ranks serialise into memory, so every rank spends a save's time as in a sharded checkpoint."""
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -114,7 +131,9 @@ def train(args: argparse.Namespace) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     cfg = GPTConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
-    model = DistributedDataParallel(TinyGPT(cfg).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    model = DistributedDataParallel(
+        TinyGPT(cfg).to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     dataset = ArithmeticTokens(size=4096, seq=args.seq, vocab=args.vocab, seed=args.seed)
@@ -170,8 +189,10 @@ def train(args: argparse.Namespace) -> None:
             fh.writelines(f"{s:.9f} {e:.6f}\n" for s, e in zip(step_seconds, step_ends))
 
     if rank == 0:
-        print(f"done: {args.steps} steps in {elapsed:.2f} s ({1000 * elapsed / max(args.steps, 1):.1f} ms/step)",
-              flush=True)
+        print(
+            f"done: {args.steps} steps in {elapsed:.2f} s ({1000 * elapsed / max(args.steps, 1):.1f} ms/step)",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -77,29 +77,40 @@ def _not_judged(spec: FaultSpec, hang_timeout_s: float) -> str | None:
     return _NOT_JUDGED.get(spec.kind)
 
 
-def judge(specs: list[FaultSpec], findings: list[Finding], job_exit: int,
-          hang_timeout_s: float = config.RUN.hang_timeout) -> Verdict:
+def judge(
+    specs: list[FaultSpec], findings: list[Finding], job_exit: int, hang_timeout_s: float = config.RUN.hang_timeout
+) -> Verdict:
     """The demo's verdict on one finished run."""
     found = "; ".join(_finding_text(f) for f in findings) or "no finding"
     exit_line = f"the training job's exit status: {job_exit}"
     if not specs or all(s.ranks is None and s.kind in _UNIFORM_IS_CLEAN for s in specs):
-        what = "nothing injected" if not specs else "; ".join(_describe(s) for s in specs) + \
-            " (nobody slower than the others)"
+        what = (
+            "nothing injected"
+            if not specs
+            else "; ".join(_describe(s) for s in specs) + " (nobody slower than the others)"
+        )
         ok = not findings and job_exit == 0
         verdict = "PASS: a clean run, no finding" if ok else "FAIL: expected a clean run with no finding"
         return Verdict(ok, (f"demo {verdict} ({what}); found: {found}; {exit_line}",))
     reasons = [(s, why) for s in specs if (why := _not_judged(s, hang_timeout_s))]
     if reasons:
-        return Verdict(None, tuple(f"demo: {_describe(s)} is not judged: {why}; found: {found}; {exit_line}"
-                                   for s, why in reasons))
+        return Verdict(
+            None, tuple(f"demo: {_describe(s)} is not judged: {why}; found: {found}; {exit_line}" for s, why in reasons)
+        )
     if any(s.ranks is None for s in specs):
-        return Verdict(None, (f"demo: {'; '.join(_describe(s) for s in specs)}: a fault on every rank has no "
-                              f"single culprit to check; found: {found}; {exit_line}",))
+        return Verdict(
+            None,
+            (
+                f"demo: {'; '.join(_describe(s) for s in specs)}: a fault on every rank has no "
+                f"single culprit to check; found: {found}; {exit_line}",
+            ),
+        )
     lines, ok = [], True
     for spec in specs:
         kind, ranks = expected_kind(spec), sorted(spec.ranks or ())
-        named = [f for f in findings
-                 if f.kind == kind and f.status == "attributed" and sorted(f.culprit_ranks) == ranks]
+        named = [
+            f for f in findings if f.kind == kind and f.status == "attributed" and sorted(f.culprit_ranks) == ranks
+        ]
         want = f"a {kind} finding naming rank {','.join(map(str, ranks))}"
         if named:
             lines.append(f"demo PASS: injected {_describe(spec)}; trainscout found {want}")

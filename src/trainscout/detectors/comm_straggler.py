@@ -67,7 +67,7 @@ class CommStragglerWatch:
         self.probes: dict[int, _Probe] = {}
         self._step = 0
         self._early_links: dict[int, dict[int, dict[int, float]]] = {}
-        self._last_compute_flag = -10**9  # last step with a compute outlier
+        self._last_compute_flag = -(10**9)  # last step with a compute outlier
         self._reported: set[tuple] = set()
 
     # ---- trigger -------------------------------------------------------------------------------
@@ -107,8 +107,9 @@ class CommStragglerWatch:
         wanted, self.wanted = self.wanted, None
         return wanted
 
-    def scheduled(self, request_id: int, pg: str, members: list[int], step: int, before_s: float, now_s: float,
-                  now: float) -> None:
+    def scheduled(
+        self, request_id: int, pg: str, members: list[int], step: int, before_s: float, now_s: float, now: float
+    ) -> None:
         g = self.groups.setdefault(pg, _Group())
         g.last_probe, g.probes = now, g.probes + 1
         self.probes[request_id] = _Probe(request_id, pg, list(members), step, before_s, now_s, now)
@@ -136,12 +137,18 @@ class CommStragglerWatch:
         minima = {r: min(s.values()) for r, s in probe.results.items() if s}
         if len(minima) < 2:
             return []
-        pg_note = (f"collectives of pg {probe.pg} slowed on every member: the least-waiting rank waits "
-                   f"{probe.now_s * 1e3:.1f} ms per step, was {probe.before_s * 1e3:.1f} ms")
-        evidence_common = {"type": "communication", "pgs": [probe.pg], "probe_step": probe.step,
-                           "collective_wait_before_s": round(probe.before_s, 6),
-                           "collective_wait_now_s": round(probe.now_s, 6),
-                           "basis": "link probe over the side group: each rank's fastest exchange, statistical C3"}
+        pg_note = (
+            f"collectives of pg {probe.pg} slowed on every member: the least-waiting rank waits "
+            f"{probe.now_s * 1e3:.1f} ms per step, was {probe.before_s * 1e3:.1f} ms"
+        )
+        evidence_common = {
+            "type": "communication",
+            "pgs": [probe.pg],
+            "probe_step": probe.step,
+            "collective_wait_before_s": round(probe.before_s, 6),
+            "collective_wait_now_s": round(probe.now_s, 6),
+            "basis": "link probe over the side group: each rank's fastest exchange, statistical C3",
+        }
         if len(minima) >= 3:
             verdict = vote_statistical(minima, rel_threshold=LINK_REL, abs_threshold=LINK_ABS_S)
             if verdict.status == "attributed":
@@ -150,15 +157,27 @@ class CommStragglerWatch:
                 findings = []
                 for r in verdict.outliers:
                     ratio = minima[r] / median if median > 0 else float("inf")
-                    findings.append(Finding(
-                        kind=STRAGGLER, culprit_ranks=[r], step=probe.step, pg=probe.pg,
-                        confidence=0.9,
-                        summary=(f"rank {r} is a communication straggler: every transfer to or from it is slow "
-                                 f"({minima[r] * 1e3:.1f} ms at best vs {median * 1e3:.1f} ms for its peers, "
-                                 f"link probe at step {probe.step}); {pg_note}"),
-                        evidence={**evidence_common, "endpoint": f"rank {r}", "ratio": round(ratio, 3),
-                                  "link_seconds": {str(p): round(s, 6) for p, s in probe.results[r].items()},
-                                  "peer_median_s": round(median, 6)}))
+                    findings.append(
+                        Finding(
+                            kind=STRAGGLER,
+                            culprit_ranks=[r],
+                            step=probe.step,
+                            pg=probe.pg,
+                            confidence=0.9,
+                            summary=(
+                                f"rank {r} is a communication straggler: every transfer to or from it is slow "
+                                f"({minima[r] * 1e3:.1f} ms at best vs {median * 1e3:.1f} ms for its peers, "
+                                f"link probe at step {probe.step}); {pg_note}"
+                            ),
+                            evidence={
+                                **evidence_common,
+                                "endpoint": f"rank {r}",
+                                "ratio": round(ratio, 3),
+                                "link_seconds": {str(p): round(s, 6) for p, s in probe.results[r].items()},
+                                "peer_median_s": round(median, 6),
+                            },
+                        )
+                    )
                 return findings
         return self._slow_pairs(probe, evidence_common, pg_note)
 
@@ -171,20 +190,45 @@ class CommStragglerWatch:
         if len(pairs) < 3:
             if len(pairs) == 1 and len(probe.members) == 2:  # two ranks: slow, but which end cannot be told
                 (a, b), s = next(iter(pairs.items()))
-                return [Finding(kind=STRAGGLER, culprit_ranks=[a, b], status="inconclusive", step=probe.step,
-                                pg=probe.pg, confidence=0.3,
-                                summary=(f"communication slowdown between ranks {a} and {b} ({s * 1e3:.1f} ms per "
-                                         f"exchange); with 2 ranks the slow end cannot be told; {pg_note}"),
-                                evidence={**evidence_common, "endpoint": f"ranks {a}-{b}"})]
+                return [
+                    Finding(
+                        kind=STRAGGLER,
+                        culprit_ranks=[a, b],
+                        status="inconclusive",
+                        step=probe.step,
+                        pg=probe.pg,
+                        confidence=0.3,
+                        summary=(
+                            f"communication slowdown between ranks {a} and {b} ({s * 1e3:.1f} ms per "
+                            f"exchange); with 2 ranks the slow end cannot be told; {pg_note}"
+                        ),
+                        evidence={**evidence_common, "endpoint": f"ranks {a}-{b}"},
+                    )
+                ]
             return []
         median = statistics.median(pairs.values())
         slow = [(k, s) for k, s in pairs.items() if s > PAIR_FACTOR * median and s - median > LINK_ABS_S]
         if not slow or 2 * len(slow) >= len(pairs):
             return []
         self.groups.setdefault(probe.pg, _Group()).reported = True
-        return [Finding(kind=STRAGGLER, culprit_ranks=[a, b], step=probe.step, pg=probe.pg, confidence=0.7,
-                        summary=(f"slow link between ranks {a} and {b}: {s * 1e3:.1f} ms per exchange vs "
-                                 f"{median * 1e3:.1f} ms between other pairs; {pg_note}"),
-                        evidence={**evidence_common, "type": "communication", "endpoint": f"link {a}-{b}",
-                                  "link_s": round(s, 6), "pair_median_s": round(median, 6)})
-                for (a, b), s in slow]
+        return [
+            Finding(
+                kind=STRAGGLER,
+                culprit_ranks=[a, b],
+                step=probe.step,
+                pg=probe.pg,
+                confidence=0.7,
+                summary=(
+                    f"slow link between ranks {a} and {b}: {s * 1e3:.1f} ms per exchange vs "
+                    f"{median * 1e3:.1f} ms between other pairs; {pg_note}"
+                ),
+                evidence={
+                    **evidence_common,
+                    "type": "communication",
+                    "endpoint": f"link {a}-{b}",
+                    "link_s": round(s, 6),
+                    "pair_median_s": round(median, 6),
+                },
+            )
+            for (a, b), s in slow
+        ]

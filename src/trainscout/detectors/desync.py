@@ -44,7 +44,7 @@ class DesyncDetector:
     def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
         findings: list[Finding] = []
         fetches: list[FetchRequest] = []
-        for name, members, known, records in _histories(ranks):
+        for name, _members, known, records in _histories(ranks):
             if name in self._done or name in self._pending:
                 continue
             low = self._agreed.get(name, 0) + 1
@@ -88,8 +88,15 @@ class DesyncDetector:
         return finding
 
 
-def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRecord]], low: int, high: int,
-                    pulled: bool = False, complete_only: bool = False) -> Finding | None:
+def first_deviation(
+    pg: str,
+    pg_desc: str,
+    records: dict[int, list[CollectiveRecord]],
+    low: int,
+    high: int,
+    pulled: bool = False,
+    complete_only: bool = False,
+) -> Finding | None:
     """The first seq in [low, high] where members' records differ, as a finding (None if none found).
 
     complete_only: only look at seqs every member has a record of (the digest's recent window), and
@@ -123,20 +130,41 @@ def first_deviation(pg: str, pg_desc: str, records: dict[int, list[CollectiveRec
         if verdict.status == "attributed":
             culprits = list(verdict.outliers)
             majority_desc = next(_text(rec) for r, rec in at.items() if r not in culprits)
-            odd = "; ".join(f"{rank_list(rs)} issued {_text(at[rs[0]])}" for h, rs in groups.items()
-                            if h != verdict.majority_value)
+            odd = "; ".join(
+                f"{rank_list(rs)} issued {_text(at[rs[0]])}" for h, rs in groups.items() if h != verdict.majority_value
+            )
             majority = groups[verdict.majority_value]
-            summary = (f"at collective #{seq} of {group_label(pg, pg_desc)}: {odd} while "
-                       f"{rank_list(majority)} issued {majority_desc}")
+            summary = (
+                f"at collective #{seq} of {group_label(pg, pg_desc)}: {odd} while "
+                f"{rank_list(majority)} issued {majority_desc}"
+            )
             evidence["differs_in"] = _difference(at[culprits[0]], at[majority[0]])
-            return Finding(kind=DESYNC, summary=summary, culprit_ranks=culprits, pg=pg, collective_seq=seq,
-                           collective=at[culprits[0]].op, step=at[culprits[0]].step, evidence=evidence)
-        summary = (f"at collective #{seq} of {group_label(pg, pg_desc)} members disagree ("
-                   + "; ".join(f"{rank_list(rs)}: {_text(at[rs[0]])}" for rs in groups.values())
-                   + "); no strict majority, so no rank can be blamed")
-        return Finding(kind=DESYNC, status="inconclusive", summary=summary, culprit_ranks=[], pg=pg,
-                       collective_seq=seq, step=min(rec.step for rec in at.values()), confidence=0.5,
-                       evidence=evidence)
+            return Finding(
+                kind=DESYNC,
+                summary=summary,
+                culprit_ranks=culprits,
+                pg=pg,
+                collective_seq=seq,
+                collective=at[culprits[0]].op,
+                step=at[culprits[0]].step,
+                evidence=evidence,
+            )
+        summary = (
+            f"at collective #{seq} of {group_label(pg, pg_desc)} members disagree ("
+            + "; ".join(f"{rank_list(rs)}: {_text(at[rs[0]])}" for rs in groups.values())
+            + "); no strict majority, so no rank can be blamed"
+        )
+        return Finding(
+            kind=DESYNC,
+            status="inconclusive",
+            summary=summary,
+            culprit_ranks=[],
+            pg=pg,
+            collective_seq=seq,
+            step=min(rec.step for rec in at.values()),
+            confidence=0.5,
+            evidence=evidence,
+        )
     return None
 
 

@@ -218,10 +218,13 @@ class _Stats:
         for s in window:
             for reason in s.throttle_reasons:
                 share[reason] = share.get(reason, 0.0) + 1.0 / len(window)
-        return cls(util=_median_valid([s.gpu_util_pct for s in window]),
-                   values={a: _window_stats([getattr(s, a) for s in window]) for a in _VALUES},
-                   throttle_known=any(s.throttle_mask >= 0 for s in window), throttle_share=share,
-                   latest_reasons=window[-1].throttle_reasons)
+        return cls(
+            util=_median_valid([s.gpu_util_pct for s in window]),
+            values={a: _window_stats([getattr(s, a) for s in window]) for a in _VALUES},
+            throttle_known=any(s.throttle_mask >= 0 for s in window),
+            throttle_share=share,
+            latest_reasons=window[-1].throttle_reasons,
+        )
 
 
 @dataclass
@@ -256,9 +259,12 @@ class DeviceHealthDetector:
         if state is None:
             state = self._gpus[sample.gpu] = _GpuState(window=deque(maxlen=cfg.window))
             rw = cfg.rate_window_s
-            state.counters = {ECC_UNCORRECTED: _Counter(1, float("inf")), PCIE_REPLAY: _Counter(cfg.pcie_replays, rw),
-                              "nvlink_recovery": _Counter(1, float("inf")),
-                              "nvlink_crc_replay": _Counter(cfg.nvlink_errors, rw)}
+            state.counters = {
+                ECC_UNCORRECTED: _Counter(1, float("inf")),
+                PCIE_REPLAY: _Counter(cfg.pcie_replays, rw),
+                "nvlink_recovery": _Counter(1, float("inf")),
+                "nvlink_crc_replay": _Counter(cfg.nvlink_errors, rw),
+            }
         elif state.window and sample.time_s and sample.time_s <= state.window[-1].time_s:
             return  # a reading already seen (resent digest) or out of order
         state.window.append(sample)
@@ -349,15 +355,19 @@ class DeviceHealthDetector:
         for reason in cfg.throttle_reasons:
             share = {g: live[g].throttle_share.get(reason, 0.0) for g in known}
             # in enough of the window AND in the latest sample: a flag never outlives the episode
-            found = {g: {"value": v, "reason": reason} for g, v in share.items()
-                     if v >= cfg.throttle_share and reason in live[g].latest_reasons}
+            found = {
+                g: {"value": v, "reason": reason}
+                for g, v in share.items()
+                if v >= cfg.throttle_share and reason in live[g].latest_reasons
+            }
             if found and len(found) == len(share):
                 continue  # every GPU has it: a condition of the whole class, not a deviation of one GPU
             out += self._conclude(f"{THROTTLE}:{reason}", THROTTLE, share, found, fresh)
         return out
 
-    def _comparable(self, found: dict[str, dict], util: dict[str, float | None],
-                    values: Mapping[str, object]) -> dict[str, dict]:
+    def _comparable(
+        self, found: dict[str, dict], util: dict[str, float | None], values: Mapping[str, object]
+    ) -> dict[str, dict]:
         """Keep the deviants about as busy as their peers: a GPU that works more (or less) than the others
         is hotter, draws more power or clocks differently for a reason that is not a fault."""
         kept = {}
@@ -371,8 +381,9 @@ class DeviceHealthDetector:
                 kept[g] = {**ev, "util_pct": own, "peers_util_pct": peer_util}
         return kept
 
-    def _conclude(self, rule: str, kind: str, values: Mapping[str, object], found: dict[str, dict],
-                  fresh: set[str]) -> list[DeviceObservation]:
+    def _conclude(
+        self, rule: str, kind: str, values: Mapping[str, object], found: dict[str, dict], fresh: set[str]
+    ) -> list[DeviceObservation]:
         """Record this judgement for the GPUs that took part with a new sample; name the persistent ones."""
         cfg = self.config
         n = len(values)
@@ -400,21 +411,49 @@ class DeviceHealthDetector:
             return []
         for g in confirmed:
             self._active[(g, rule)] = attributed
-        common = {"rule": rule, "n": n, "members": sorted(values), "status": "attributed" if attributed
-                  else "inconclusive", "window": cfg.window, "k": cfg.k, "m": cfg.m}
+        common = {
+            "rule": rule,
+            "n": n,
+            "members": sorted(values),
+            "status": "attributed" if attributed else "inconclusive",
+            "window": cfg.window,
+            "k": cfg.k,
+            "m": cfg.m,
+        }
         window = {g: list(self._gpus[g].window) for g in confirmed}
         if attributed:
-            return [DeviceObservation(g, kind, _relative_summary(kind, g, found[g], n, window[g]),
-                                      {**common, **found[g], "summary": summarize(window[g])}, True)
-                    for g in sorted(confirmed)]
+            return [
+                DeviceObservation(
+                    g,
+                    kind,
+                    _relative_summary(kind, g, found[g], n, window[g]),
+                    {**common, **found[g], "summary": summarize(window[g])},
+                    True,
+                )
+                for g in sorted(confirmed)
+            ]
         suspects = sorted(found)
         first = min(confirmed)
         others = [g for g in suspects if g != first]
-        text = (f"no majority among {n} GPUs: " + _relative_summary(kind, first, found[first], n, window[first])
-                + (f" (also flagged: {', '.join(others)})" if others else ""))
-        return [DeviceObservation(first, kind, text, {**common, "suspects": suspects,
-                                                      "deviations": {g: found[g] for g in suspects},
-                                                      "summary": summarize(window[first])}, False)]
+        text = (
+            f"no majority among {n} GPUs: "
+            + _relative_summary(kind, first, found[first], n, window[first])
+            + (f" (also flagged: {', '.join(others)})" if others else "")
+        )
+        return [
+            DeviceObservation(
+                first,
+                kind,
+                text,
+                {
+                    **common,
+                    "suspects": suspects,
+                    "deviations": {g: found[g] for g in suspects},
+                    "summary": summarize(window[first]),
+                },
+                False,
+            )
+        ]
 
     # -- absolute rules -------------------------------------------------------------------------------
 
@@ -436,8 +475,11 @@ class DeviceHealthDetector:
         state.lost = lost
 
         seen = state.counters[ECC_UNCORRECTED].increase(t, s.ecc_uncorrected)
-        if seen and report(ECC_UNCORRECTED, f"{seen[0]} new uncorrected ECC error(s), {s.ecc_uncorrected} since "
-                           "the driver loaded", {"increase": seen[0], "total": s.ecc_uncorrected}):
+        if seen and report(
+            ECC_UNCORRECTED,
+            f"{seen[0]} new uncorrected ECC error(s), {s.ecc_uncorrected} since the driver loaded",
+            {"increase": seen[0], "total": s.ecc_uncorrected},
+        ):
             state.counters[ECC_UNCORRECTED].rearm(t, s.ecc_uncorrected)
 
         for xid, when in s.xids:
@@ -445,40 +487,68 @@ class DeviceHealthDetector:
                 continue
             meaning, cause = XID_MEANINGS.get(xid, ("see NVIDIA's XID catalog", "unknown"))
             note = "; usually a program error, not a faulty GPU" if cause == "application" else ""
-            report(XID, f"XID {xid} ({meaning}){note}", {"xid": xid, "meaning": meaning, "cause": cause,
-                                                          "seen_at": when}, detail=xid)
+            report(
+                XID,
+                f"XID {xid} ({meaning}){note}",
+                {"xid": xid, "meaning": meaning, "cause": cause, "seen_at": when},
+                detail=xid,
+            )
 
-        pending = [what for what, flag in (("row remapping pending", s.remapped_rows_pending),
-                                           ("page retirement pending", s.retired_pages_pending),
-                                           ("row remap failure", s.remap_failure)) if flag == 1]
+        pending = [
+            what
+            for what, flag in (
+                ("row remapping pending", s.remapped_rows_pending),
+                ("page retirement pending", s.retired_pages_pending),
+                ("row remap failure", s.remap_failure),
+            )
+            if flag == 1
+        ]
         if pending and not state.pending_rows:
-            report(ROWS_PENDING, ", ".join(pending) + " (memory errors recorded; the GPU needs a reset)",
-                   {"pending": pending})
+            report(
+                ROWS_PENDING,
+                ", ".join(pending) + " (memory errors recorded; the GPU needs a reset)",
+                {"pending": pending},
+            )
         if pending or s.remapped_rows_pending == 0 or s.retired_pages_pending == 0:
             state.pending_rows = bool(pending)
 
         seen = state.counters[PCIE_REPLAY].increase(t, s.pcie_replay)
-        if seen and report(PCIE_REPLAY, f"{seen[0]} PCIe replays in {seen[1]:.0f} s (total {s.pcie_replay})",
-                           {"increase": seen[0], "seconds": seen[1], "total": s.pcie_replay}):
+        if seen and report(
+            PCIE_REPLAY,
+            f"{seen[0]} PCIe replays in {seen[1]:.0f} s (total {s.pcie_replay})",
+            {"increase": seen[0], "seconds": seen[1], "total": s.pcie_replay},
+        ):
             state.counters[PCIE_REPLAY].rearm(t, s.pcie_replay)
 
         seen = state.counters["nvlink_recovery"].increase(t, s.nvlink_recovery)
-        if seen and report(NVLINK_ERRORS, f"{seen[0]} NVLink recovery error(s) (link retrained; total "
-                           f"{s.nvlink_recovery})", {"counter": "recovery", "increase": seen[0],
-                                                     "total": s.nvlink_recovery}, detail="recovery"):
+        if seen and report(
+            NVLINK_ERRORS,
+            f"{seen[0]} NVLink recovery error(s) (link retrained; total {s.nvlink_recovery})",
+            {"counter": "recovery", "increase": seen[0], "total": s.nvlink_recovery},
+            detail="recovery",
+        ):
             state.counters["nvlink_recovery"].rearm(t, s.nvlink_recovery)
         crc = _sum_all(s.nvlink_crc_flit, s.nvlink_crc_data, s.nvlink_replay)
         seen = state.counters["nvlink_crc_replay"].increase(t, crc)
-        if seen and report(NVLINK_ERRORS, f"{seen[0]} NVLink CRC / replay errors in {seen[1]:.0f} s",
-                           {"counter": "crc_replay", "increase": seen[0], "seconds": seen[1],
-                            "crc_flit": s.nvlink_crc_flit, "crc_data": s.nvlink_crc_data,
-                            "replay": s.nvlink_replay}, detail="crc_replay"):
+        if seen and report(
+            NVLINK_ERRORS,
+            f"{seen[0]} NVLink CRC / replay errors in {seen[1]:.0f} s",
+            {
+                "counter": "crc_replay",
+                "increase": seen[0],
+                "seconds": seen[1],
+                "crc_flit": s.nvlink_crc_flit,
+                "crc_data": s.nvlink_crc_data,
+                "replay": s.nvlink_replay,
+            },
+            detail="crc_replay",
+        ):
             state.counters["nvlink_crc_replay"].rearm(t, crc)
         return out
 
 
 def summarize(readings: GpuSample | Sequence[GpuSample]) -> str:
-    """"sm clock 1410 of 1980 MHz, throttled: hw_slowdown; 83 C; 412 of 700 W; util 100 %" for one GPU.
+    """ "sm clock 1410 of 1980 MHz, throttled: hw_slowdown; 83 C; 412 of 700 W; util 100 %" for one GPU.
 
     With several readings (the GPU's recent window) the numbers are medians and each throttle reason
     shows how many readings had it; counters and XIDs come from the latest.
@@ -511,9 +581,15 @@ def summarize(readings: GpuSample | Sequence[GpuSample]) -> str:
         parts.append(f"util {util:.0f} %")
     if last.ecc_uncorrected > 0:
         parts.append(f"ecc uncorrected {last.ecc_uncorrected}")
-    pending = [what for what, flag in (("row remap pending", last.remapped_rows_pending),
-                                       ("page retirement pending", last.retired_pages_pending),
-                                       ("row remap failure", last.remap_failure)) if flag == 1]
+    pending = [
+        what
+        for what, flag in (
+            ("row remap pending", last.remapped_rows_pending),
+            ("page retirement pending", last.retired_pages_pending),
+            ("row remap failure", last.remap_failure),
+        )
+        if flag == 1
+    ]
     parts += pending
     if last.pcie_replay > 0:
         parts.append(f"pcie replays {last.pcie_replay}")
@@ -531,8 +607,10 @@ def summarize(readings: GpuSample | Sequence[GpuSample]) -> str:
 def _relative_summary(kind: str, g: str, ev: dict, n: int, window: list[GpuSample]) -> str:
     v, med = ev.get("value"), ev.get("peers_median")
     if kind == SM_CLOCK_LOW:
-        text = (f"SM clock {v:.0f} MHz, {100 * (1 - v / med):.0f} % below its peers' {med:.0f} MHz "
-                f"at {ev['util_pct']:.0f} % utilisation")
+        text = (
+            f"SM clock {v:.0f} MHz, {100 * (1 - v / med):.0f} % below its peers' {med:.0f} MHz "
+            f"at {ev['util_pct']:.0f} % utilisation"
+        )
     elif kind == TEMPERATURE_HIGH:
         text = f"{v:.0f} C, {v - med:.0f} C above its peers' {med:.0f} C at comparable utilisation"
     elif kind == POWER_DEVIATION:
@@ -540,13 +618,16 @@ def _relative_summary(kind: str, g: str, ev: dict, n: int, window: list[GpuSampl
     elif kind == POWER_LIMIT_LOW:
         text = f"power limit {v:.0f} W, below its peers' {med:.0f} W"
     else:
-        text = (f"{ev['reason']} in {round(v * len(window))} of its last {len(window)} samples, which a majority "
-                f"of its {n - 1} peers do not have")
+        text = (
+            f"{ev['reason']} in {round(v * len(window))} of its last {len(window)} samples, which a majority "
+            f"of its {n - 1} peers do not have"
+        )
     return f"gpu {g}: {text} ({summarize(window)})"
 
 
-def _deviants(stats: Mapping[str, tuple[float, float, float]], side: str, rel: float, abs_: float, z: float,
-              exact_below: int) -> dict[str, dict]:
+def _deviants(
+    stats: Mapping[str, tuple[float, float, float]], side: str, rel: float, abs_: float, z: float, exact_below: int
+) -> dict[str, dict]:
     """Members lying beyond their peers' median on `side` ("below", "above", "both").
 
     `stats`: member -> (median, min, max) of its window. A member is below when even its highest sample

@@ -62,8 +62,9 @@ class ExitDetector:
         self.max_wait_s = max_wait_s
         self.done = False
 
-    def update(self, now: float, ranks: dict[int, RankObs], launcher_codes: dict[int, int],
-               launcher_done: bool) -> list[Finding]:
+    def update(
+        self, now: float, ranks: dict[int, RankObs], launcher_codes: dict[int, int], launcher_done: bool
+    ) -> list[Finding]:
         if self.done:
             return []
         exited = sorted((o for o in ranks.values() if o.state.exit is not None), key=lambda o: o.exited_at())
@@ -99,12 +100,20 @@ class ExitDetector:
     def _early_exits(self, now, exited, ranks, abnormal, first_abnormal_at) -> list[RankObs]:
         """Clean exits while peers still had work: they passed its step; or they issued collectives it
         never issued and then failed, or stayed blocked for `blocked_s` after it left."""
-        clean = [o for o in exited if o.state.exit.how == "exit" and o.state.exit.code in (0, None)
-                 and (first_abnormal_at is None or o.exited_at() <= first_abnormal_at)]
+        clean = [
+            o
+            for o in exited
+            if o.state.exit.how == "exit"
+            and o.state.exit.code in (0, None)
+            and (first_abnormal_at is None or o.exited_at() <= first_abnormal_at)
+        ]
         early = []
         for o in clean:
-            others = [p for p in ranks.values() if p.rank != o.rank and
-                      (p.state.exit is None or p.exited_at() > o.exited_at())]
+            others = [
+                p
+                for p in ranks.values()
+                if p.rank != o.rank and (p.state.exit is None or p.exited_at() > o.exited_at())
+            ]
             if any(p.state.step > o.state.step for p in others):
                 early.append(o)
                 continue
@@ -126,15 +135,20 @@ class ExitDetector:
             went_on = f"went on to step {max_step}"
         else:
             went_on = "still had collectives to run"
-        summary = (f"{lead} exited cleanly (code {first.state.exit.code or 0}) after step {first.state.step} "
-                   f"while {rank_list(others)} {went_on}")
+        summary = (
+            f"{lead} exited cleanly (code {first.state.exit.code or 0}) after step {first.state.step} "
+            f"while {rank_list(others)} {went_on}"
+        )
         if after:
             summary += f"; {len(after)} rank(s) then failed because of it"
         return Finding(
-            kind=EARLY_EXIT, summary=summary, culprit_ranks=culprits, step=first.state.step,
-            hosts=sorted({o.host for o in early}), pids=[o.state.pid for o in early],
-            evidence={"exit": {str(o.rank): o.state.exit.message for o in early},
-                      "collateral": _collateral(after)},
+            kind=EARLY_EXIT,
+            summary=summary,
+            culprit_ranks=culprits,
+            step=first.state.step,
+            hosts=sorted({o.host for o in early}),
+            pids=[o.state.pid for o in early],
+            evidence={"exit": {str(o.rank): o.state.exit.message for o in early}, "collateral": _collateral(after)},
         )
 
     def _crash_finding(self, roots, exited, launcher_codes) -> Finding:
@@ -156,10 +170,19 @@ class ExitDetector:
         if after:
             summary += f"; {len(after)} rank(s) failed after it"
         return Finding(
-            kind=CRASH, summary=summary, culprit_ranks=culprits, step=e.step,
-            hosts=sorted({o.host for o in roots}), pids=[o.state.pid for o in roots],
-            evidence={"exit_code": code, "signal": _signame(sig) or None, "how": e.how, "message": e.message,
-                      "collateral": _collateral(after)},
+            kind=CRASH,
+            summary=summary,
+            culprit_ranks=culprits,
+            step=e.step,
+            hosts=sorted({o.host for o in roots}),
+            pids=[o.state.pid for o in roots],
+            evidence={
+                "exit_code": code,
+                "signal": _signame(sig) or None,
+                "how": e.how,
+                "message": e.message,
+                "collateral": _collateral(after),
+            },
         )
 
 
@@ -175,6 +198,8 @@ def _collateral(after: list[RankObs]) -> dict[str, str]:
     out = {}
     for o in after:
         e = o.state.exit
-        label = e.how + (f" {_signame(e.signal)}" if e.signal else "") + (f" code {e.code}" if e.code is not None else "")
+        label = (
+            e.how + (f" {_signame(e.signal)}" if e.signal else "") + (f" code {e.code}" if e.code is not None else "")
+        )
         out[str(o.rank)] = f"{label}: {e.message}"[:300]
     return out

@@ -36,16 +36,16 @@ MAX_LISTED = 12  # parameters and ranges listed in a finding's evidence
 
 FIX_HINTS = {
     "unsafe": "the secondary partition's host stall was removed without ordering (TRAINSCOUT_HPZ_FIX=unsafe): "
-              "run with TRAINSCOUT_HPZ_FIX=event (trainscout run's default), which orders the secondary "
-              "all-gather after the copy with a CUDA event",
+    "run with TRAINSCOUT_HPZ_FIX=event (trainscout run's default), which orders the secondary "
+    "all-gather after the copy with a CUDA event",
     "event": "the event-ordered fix was active, so this is not the known copy/all-gather race: the secondary "
-             "partition was corrupted another way (check the device; set zero_hpz_partition_size: 1 to bypass "
-             "hpZ meanwhile)",
+    "partition was corrupted another way (check the device; set zero_hpz_partition_size: 1 to bypass "
+    "hpZ meanwhile)",
     "stall": "trainscout run orders the secondary all-gather after the copy with a CUDA event when "
-             "TRAINSCOUT_HPZ_FIX=event (its default; this job ran without it): keep it on, or set "
-             "overlap_comm: false or zero_hpz_partition_size: 1 in the DeepSpeed config",
+    "TRAINSCOUT_HPZ_FIX=event (its default; this job ran without it): keep it on, or set "
+    "overlap_comm: false or zero_hpz_partition_size: 1 in the DeepSpeed config",
     "none": "this accelerator has no separate streams, so the secondary partition itself was corrupted "
-            "(check the device; set zero_hpz_partition_size: 1 to bypass hpZ meanwhile)",
+    "(check the device; set zero_hpz_partition_size: 1 to bypass hpZ meanwhile)",
 }
 
 
@@ -59,7 +59,7 @@ def parse_record_name(name: str) -> tuple[str, int, str, str] | None:
     """(phase, owner, mode, param) of a name made by `record_name`, or None for any other tensor."""
     if not name.startswith(PREFIX):
         return None
-    parts = name[len(PREFIX):].split("|", 3)
+    parts = name[len(PREFIX) :].split("|", 3)
     if len(parts) != 4 or parts[0] not in ("fwd", "bwd"):
         return None
     try:
@@ -145,24 +145,36 @@ class HpzRaceDetector:
         mode = "unsafe" if "unsafe" in modes else modes[0] if modes else "stall"
         fix = FIX_HINTS.get(mode, FIX_HINTS["stall"])
         shown = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
-        how = ("read before its copy was filled" if mode in ("unsafe", "stall")
-               else "which no longer matches the primary partitions")
-        summary = (f"backward on {rank_list(receivers)} gathered different weights than forward in {len(params)} "
-                   f"parameter(s) ({shown}): the differing bytes come from the ZeRO++ hpZ secondary partition of "
-                   f"{rank_list(owners)}, {how}. Fix: {fix}")
+        how = (
+            "read before its copy was filled"
+            if mode in ("unsafe", "stall")
+            else "which no longer matches the primary partitions"
+        )
+        summary = (
+            f"backward on {rank_list(receivers)} gathered different weights than forward in {len(params)} "
+            f"parameter(s) ({shown}): the differing bytes come from the ZeRO++ hpZ secondary partition of "
+            f"{rank_list(owners)}, {how}. Fix: {fix}"
+        )
         evidence = {
             "check": "hpz_forward_backward",
             "params": params[:MAX_LISTED],
             "params_total": len(params),
-            "ranges": [{"param": p, "bytes": [s, e], "secondary_of": o, "receivers": rs}
-                       for p, s, e, o, rs in bad[:MAX_LISTED]],
+            "ranges": [
+                {"param": p, "bytes": [s, e], "secondary_of": o, "receivers": rs} for p, s, e, o, rs in bad[:MAX_LISTED]
+            ],
             "ranges_total": len(bad),
             "receivers": receivers,
             "fix_mode": mode,
             "fix": fix,
         }
-        return Finding(kind=HPZ_RACE, summary=summary, culprit_ranks=owners, step=step,
-                       confidence=1.0 if majority_ok else 0.8, evidence=evidence)
+        return Finding(
+            kind=HPZ_RACE,
+            summary=summary,
+            culprit_ranks=owners,
+            step=step,
+            confidence=1.0 if majority_ok else 0.8,
+            evidence=evidence,
+        )
 
 
 def _strict_majority(values: dict[int, int]) -> int | None:

@@ -38,14 +38,31 @@ class NonFiniteDetector:
             return []
         self.done = True
         later = {str(r): first[r][0] for r in others if r in first}
-        evidence = {"origin_step": origin_step, "first_nonfinite": {str(r): f"{w} at step {s}" for r, (s, w) in first.items()},
-                    "later_ranks": later}
+        evidence = {
+            "origin_step": origin_step,
+            "first_nonfinite": {str(r): f"{w} at step {s}" for r, (s, w) in first.items()},
+            "later_ranks": later,
+        }
         what = first[origins[0]][1]
         if others and len(origins) * 2 < len(ranks):
-            summary = (f"{rank_list(origins)} turned non-finite first ({what}) at step {origin_step}, before any "
-                       f"reduction; {rank_list(others)} " + ("followed later" if later else "were still finite"))
-            return [Finding(kind=NONFINITE, summary=summary, culprit_ranks=origins, step=origin_step, evidence=evidence)]
-        summary = (f"{rank_list(origins)} turned non-finite at the same step {origin_step} ({what}); "
-                   "no minority to blame")
-        return [Finding(kind=NONFINITE, status="inconclusive", summary=summary, culprit_ranks=[], step=origin_step,
-                        confidence=0.4, evidence=evidence)]
+            summary = (
+                f"{rank_list(origins)} turned non-finite first ({what}) at step {origin_step}, before any "
+                f"reduction; {rank_list(others)} " + ("followed later" if later else "were still finite")
+            )
+            return [
+                Finding(kind=NONFINITE, summary=summary, culprit_ranks=origins, step=origin_step, evidence=evidence)
+            ]
+        summary = (
+            f"{rank_list(origins)} turned non-finite at the same step {origin_step} ({what}); no minority to blame"
+        )
+        return [
+            Finding(
+                kind=NONFINITE,
+                status="inconclusive",
+                summary=summary,
+                culprit_ranks=[],
+                step=origin_step,
+                confidence=0.4,
+                evidence=evidence,
+            )
+        ]

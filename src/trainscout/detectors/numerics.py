@@ -92,8 +92,14 @@ class NumericDetector:
         self.steps_judged = 0
         self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
 
-    def add(self, rank: int, group: str, layers: Sequence[str], records: Sequence[tuple[int, float, Sequence[float]]],
-            now: float) -> None:
+    def add(
+        self,
+        rank: int,
+        group: str,
+        layers: Sequence[str],
+        records: Sequence[tuple[int, float, Sequence[float]]],
+        now: float,
+    ) -> None:
         """records: (step, loss, layer norms) of one rank, in any order; group: its replica class."""
         if layers:
             self._layers[group] = list(layers)
@@ -156,8 +162,7 @@ class NumericDetector:
                 found = self._persist(r, "loss", step, (1 if dev > 0 else -1) if far else 0)
                 if found is not None:
                     ratio = entry["loss"][r] / peers if peers else math.inf
-                    out.append(NumericSuspect(r, step, "loss", "persistent", ratio=ratio, z=z, steps=found,
-                                              loss_z=z))
+                    out.append(NumericSuspect(r, step, "loss", "persistent", ratio=ratio, z=z, steps=found, loss_z=z))
         norm_flags: dict[int, dict[str, tuple[float, float]]] = {}  # rank -> layer -> (ratio, z)
         for layer, values in self._layer_values(group, entry).items():
             judged = self._stat(group, layer).judge(values)
@@ -165,16 +170,32 @@ class NumericDetector:
                 ratio = math.exp(dev)
                 if abs(z) >= PERSIST_Z and abs(dev) >= math.log(NORM_PERSIST_RATIO):
                     norm_flags.setdefault(r, {})[layer] = (ratio, z)
-                found = self._persist(r, layer, step, (1 if dev > 0 else -1) if r in norm_flags and layer in
-                                      norm_flags[r] else 0)
+                found = self._persist(
+                    r, layer, step, (1 if dev > 0 else -1) if r in norm_flags and layer in norm_flags[r] else 0
+                )
                 if found is not None:
-                    out.append(NumericSuspect(r, step, "grad_norm", "persistent", layer=layer, ratio=ratio, z=z,
-                                              steps=found, loss_z=loss_z.get(r, 0.0),
-                                              layers={k: round(v[0], 3) for k, v in norm_flags[r].items()}))
+                    out.append(
+                        NumericSuspect(
+                            r,
+                            step,
+                            "grad_norm",
+                            "persistent",
+                            layer=layer,
+                            ratio=ratio,
+                            z=z,
+                            steps=found,
+                            loss_z=loss_z.get(r, 0.0),
+                            layers={k: round(v[0], 3) for k, v in norm_flags[r].items()},
+                        )
+                    )
         for r, layers in norm_flags.items():
-            spikes = {k: v for k, v in layers.items()
-                      if abs(v[1]) >= SPIKE_Z and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)
-                      and self._isolated(r, k, step)}
+            spikes = {
+                k: v
+                for k, v in layers.items()
+                if abs(v[1]) >= SPIKE_Z
+                and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)
+                and self._isolated(r, k, step)
+            }
             if not spikes or abs(loss_z.get(r, math.inf)) >= LOSS_CALM_Z:
                 if spikes:
                     self.trace.append((step, r, "spike with loss outlier", loss_z.get(r)))
@@ -183,8 +204,20 @@ class NumericDetector:
             if step - self._last_spike.get(r, -SPIKE_GAP) < SPIKE_GAP:
                 continue
             self._last_spike[r] = step
-            out.append(NumericSuspect(r, step, "grad_norm", "spike", layer=layer, ratio=ratio, z=z, steps=[step],
-                                      loss_z=loss_z.get(r, 0.0), layers={k: round(v[0], 3) for k, v in layers.items()}))
+            out.append(
+                NumericSuspect(
+                    r,
+                    step,
+                    "grad_norm",
+                    "spike",
+                    layer=layer,
+                    ratio=ratio,
+                    z=z,
+                    steps=[step],
+                    loss_z=loss_z.get(r, 0.0),
+                    layers={k: round(v[0], 3) for k, v in layers.items()},
+                )
+            )
         out = self._one_per_rank(out)
         for s in out:
             self.trace.append((s.step, s.rank, s.statistic, s.pattern, s.layer, round(s.ratio, 3), round(s.z, 1)))

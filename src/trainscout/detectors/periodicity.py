@@ -33,7 +33,7 @@ def regular_period(spikes: Iterable[int], min_hits: int) -> Period | None:
     recent = sorted(set(spikes))[-LOOKBACK:]
     best, best_score = None, None
     # any two neighbouring hits give the period; the anchor may be a hit whose next slot was missed
-    periods = sorted({b - a for i, a in enumerate(recent) for b in recent[i + 1:] if b - a >= MIN_PERIOD})
+    periods = sorted({b - a for i, a in enumerate(recent) for b in recent[i + 1 :] if b - a >= MIN_PERIOD})
     for anchor in recent:
         for period in periods:
             found = _progression(recent, anchor, period, min_hits)

@@ -29,8 +29,12 @@ class Suspect:
 
 
 class HangDetector:
-    def __init__(self, hang_timeout_s: float = HANG_TIMEOUT_S, stall_timeout_s: float = STALL_TIMEOUT_S,
-                 starved_after_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        hang_timeout_s: float = HANG_TIMEOUT_S,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+        starved_after_s: float = 2.0,
+    ) -> None:
         self.hang_timeout_s = hang_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.starved_after_s = starved_after_s
@@ -49,7 +53,7 @@ class HangDetector:
         behind: dict[int, list[tuple[str, int]]] = {}  # rank -> [(pg, majority seq it never entered)]
         ahead: dict[int, list[tuple[str, int]]] = {}
         unattributed: list[tuple[str, dict[int, int]]] = []
-        for name, members, seqs in _groups(live):
+        for name, _members, seqs in _groups(live):
             if len(set(seqs.values())) <= 1:
                 continue
             verdict = vote_exact(seqs)
@@ -87,30 +91,44 @@ class HangDetector:
         starved = [r for r in culprits if live[r].heartbeat_age(now) >= self.starved_after_s]
         if starved:
             evidence["starved_ranks"] = starved
-            evidence["starved_note"] = ("the probe's own thread stopped running in these ranks: the "
-                                        "process holds the GIL (busy Python loop) or is frozen")
+            evidence["starved_note"] = (
+                "the probe's own thread stopped running in these ranks: the "
+                "process holds the GIL (busy Python loop) or is frozen"
+            )
             evidence["cpu_percent"] = {str(r): live[r].state.cpu_percent for r in starved}
         if cross:
             other_pg, other_seq = ahead[min(cross)][0]
             kind = DESYNC
-            summary = (f"{rank_list(culprits)} issued collective #{other_seq} on pg {other_pg} while "
-                       f"{len(waiting)}/{len(live)} ranks wait in {op or 'a collective'} #{seq} of "
-                       f"{group_label(pg_name, pg_desc)}: different process group")
+            summary = (
+                f"{rank_list(culprits)} issued collective #{other_seq} on pg {other_pg} while "
+                f"{len(waiting)}/{len(live)} ranks wait in {op or 'a collective'} #{seq} of "
+                f"{group_label(pg_name, pg_desc)}: different process group"
+            )
             evidence["desync"] = "process group"
             evidence["culprit_group"] = {"pg": other_pg, "seq": other_seq}
         else:
             kind = HANG
             where = f"{op} #{seq}" if op else f"collective #{seq}"
             lead = who(first) if len(culprits) == 1 else rank_list(culprits)
-            summary = (f"{lead} never entered {where} of {group_label(pg_name, pg_desc)}; "
-                       f"{len(waiting)}/{len(live)} ranks wait there")
+            summary = (
+                f"{lead} never entered {where} of {group_label(pg_name, pg_desc)}; "
+                f"{len(waiting)}/{len(live)} ranks wait there"
+            )
             if starved:
                 summary += " (culprit holds the GIL or is frozen)"
         return Finding(
-            kind=kind, summary=summary, culprit_ranks=culprits, step=first.state.step,
-            hosts=sorted({live[r].host for r in culprits}), pids=[live[r].state.pid for r in culprits],
-            pg=pg_name, collective_seq=seq, collective=op or None, evidence=evidence,
-            confidence=1.0, first_seen=0.0,
+            kind=kind,
+            summary=summary,
+            culprit_ranks=culprits,
+            step=first.state.step,
+            hosts=sorted({live[r].host for r in culprits}),
+            pids=[live[r].state.pid for r in culprits],
+            pg=pg_name,
+            collective_seq=seq,
+            collective=op or None,
+            evidence=evidence,
+            confidence=1.0,
+            first_seen=0.0,
         )
 
     def _inconclusive(self, now, live, unattributed, ahead, quiet) -> Finding:
@@ -123,19 +141,31 @@ class HangDetector:
         top = max(seqs.values())
         lagging = sorted(r for r, s in seqs.items() if s < top)
         return Finding(
-            kind=HANG, status="inconclusive", culprit_ranks=[],
-            summary=(f"job hung on pg {name}: {rank_list(lagging)} never entered collective #{top} but no "
-                     f"strict majority waits there, so no rank can be blamed"),
-            pg=name, collective_seq=top, confidence=0.3,
-            evidence={"quiet_s": round(quiet, 2), "seq_by_rank": {str(k): v for k, v in seqs.items()},
-                      "lagging_ranks": lagging},
+            kind=HANG,
+            status="inconclusive",
+            culprit_ranks=[],
+            summary=(
+                f"job hung on pg {name}: {rank_list(lagging)} never entered collective #{top} but no "
+                f"strict majority waits there, so no rank can be blamed"
+            ),
+            pg=name,
+            collective_seq=top,
+            confidence=0.3,
+            evidence={
+                "quiet_s": round(quiet, 2),
+                "seq_by_rank": {str(k): v for k, v in seqs.items()},
+                "lagging_ranks": lagging,
+            },
         )
 
     def _stall(self, now, live, quiet) -> Finding:
         return Finding(
-            kind=STALL, status="inconclusive", culprit_ranks=[],
+            kind=STALL,
+            status="inconclusive",
+            culprit_ranks=[],
             summary=f"no rank made progress for {quiet:.0f} s and all wait at the same point",
-            step=max(o.state.step for o in live.values()), confidence=0.3,
+            step=max(o.state.step for o in live.values()),
+            confidence=0.3,
             evidence={"quiet_s": round(quiet, 1), "ranks": sorted(live)},
         )
 

@@ -52,37 +52,77 @@ class ReplayDetector:
         return findings
 
     def _judge(self, verdict, results, params, step: int, layer: str) -> list[Finding]:
-        evidence = {"check": "replay", "layer": layer, "replay_step": step,
-                    "fingerprints": {str(r): [f"{o:016x}", f"{g:016x}"] for r, (o, g) in sorted(results.items())}}
+        evidence = {
+            "check": "replay",
+            "layer": layer,
+            "replay_step": step,
+            "fingerprints": {str(r): [f"{o:016x}", f"{g:016x}"] for r, (o, g) in sorted(results.items())},
+        }
         if verdict.status != "attributed":
-            return [Finding(kind=SDC, status="inconclusive", culprit_ranks=[], step=step, confidence=0.5,
-                            summary=f"replicas recomputing layer {layer} at step {step} disagree and no strict "
-                                    "majority agrees: corruption detected, culprit unknown",
-                            pg=f"replay:{layer}", collective_seq=step, evidence=evidence)]
+            return [
+                Finding(
+                    kind=SDC,
+                    status="inconclusive",
+                    culprit_ranks=[],
+                    step=step,
+                    confidence=0.5,
+                    summary=f"replicas recomputing layer {layer} at step {step} disagree and no strict "
+                    "majority agrees: corruption detected, culprit unknown",
+                    pg=f"replay:{layer}",
+                    collective_seq=step,
+                    evidence=evidence,
+                )
+            ]
         out: list[Finding] = []
         majority_params = {params.get(r) for r in results if r not in verdict.outliers}
         for r in verdict.outliers:
             maj_out, maj_grad = verdict.majority_value
             part = "outputs" if results[r][0] != maj_out else "gradients"
             if len(majority_params) == 1 and params.get(r) not in majority_params:
-                out.append(Finding(
-                    kind=SDC, culprit_ranks=[r], step=step, pg=f"state:{layer}", confidence=0.9,
-                    summary=(f"rank {r} holds different parameters of layer {layer} than {len(results) - 1} "
-                             f"replicas (replay at step {step}): replicated state corrupted"),
-                    evidence={**evidence, "differs_in": "parameters", "check": "replay"}))
+                out.append(
+                    Finding(
+                        kind=SDC,
+                        culprit_ranks=[r],
+                        step=step,
+                        pg=f"state:{layer}",
+                        confidence=0.9,
+                        summary=(
+                            f"rank {r} holds different parameters of layer {layer} than {len(results) - 1} "
+                            f"replicas (replay at step {step}): replicated state corrupted"
+                        ),
+                        evidence={**evidence, "differs_in": "parameters", "check": "replay"},
+                    )
+                )
                 continue
             steps = self._deviations.setdefault((r, layer), [])
             steps.append(step)
             if len(steps) == 1:
-                out.append(Finding(
-                    kind=SDC, culprit_ranks=[r], step=step, pg=f"replay:{layer}", confidence=0.8,
-                    summary=(f"rank {r} computes layer {layer} wrong: its replay {part} differ from "
-                             f"{len(results) - 1} replicas on the same input (step {step})"),
-                    evidence={**evidence, "differs_in": part, "confirmed": False}))
+                out.append(
+                    Finding(
+                        kind=SDC,
+                        culprit_ranks=[r],
+                        step=step,
+                        pg=f"replay:{layer}",
+                        confidence=0.8,
+                        summary=(
+                            f"rank {r} computes layer {layer} wrong: its replay {part} differ from "
+                            f"{len(results) - 1} replicas on the same input (step {step})"
+                        ),
+                        evidence={**evidence, "differs_in": part, "confirmed": False},
+                    )
+                )
             elif len(steps) == 2:
-                out.append(Finding(
-                    kind=HEALTH, culprit_ranks=[r], step=step, pg=f"replay:{layer}",
-                    summary=(f"rank {r}'s device is faulty: replay of layer {layer} deviated again "
-                             f"(steps {steps[0]} and {steps[1]}); take it out of service"),
-                    evidence={**evidence, "differs_in": part, "confirmed": True, "deviation_steps": list(steps)}))
+                out.append(
+                    Finding(
+                        kind=HEALTH,
+                        culprit_ranks=[r],
+                        step=step,
+                        pg=f"replay:{layer}",
+                        summary=(
+                            f"rank {r}'s device is faulty: replay of layer {layer} deviated again "
+                            f"(steps {steps[0]} and {steps[1]}); take it out of service"
+                        ),
+                        evidence={**evidence, "differs_in": part, "confirmed": True, "deviation_steps": list(steps)},
+                    )
+                )
         return out

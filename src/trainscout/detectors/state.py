@@ -68,22 +68,46 @@ class ReplicaStateDetector:
 
     def _finding(self, verdict, digests, group, step, tensor, start, end) -> Finding:
         where = f"{tensor!r} bytes {start}-{end}"
-        evidence = {"tensor": tensor, "byte_range": [start, end], "replica_group": group,
-                    "fingerprints": {str(r): f"{h:016x}" for r, h in sorted(digests.items())}}
+        evidence = {
+            "tensor": tensor,
+            "byte_range": [start, end],
+            "replica_group": group,
+            "fingerprints": {str(r): f"{h:016x}" for r, h in sorted(digests.items())},
+        }
         if verdict.status == "attributed":
             culprits = list(verdict.outliers)
             majority = ",".join(str(r) for r in sorted(digests) if r not in culprits)
-            summary = (f"{rank_list(culprits)} holds different {where} than replicas {majority} "
-                       f"after step {step}: replicated state corrupted on {rank_list(culprits)}")
+            summary = (
+                f"{rank_list(culprits)} holds different {where} than replicas {majority} "
+                f"after step {step}: replicated state corrupted on {rank_list(culprits)}"
+            )
             if _check_of(tensor) == "all_gather":
-                summary = (f"{rank_list(culprits)} received a different gathered {where} than ranks {majority} "
-                           f"at step {step}: all-gather receivers disagree")
-            return Finding(kind=SDC, summary=summary, culprit_ranks=culprits, step=step, pg=group,
-                           evidence={**evidence, "check": _check_of(tensor)})
-        summary = (f"replicas disagree on {where} after step {step} and no strict majority agrees "
-                   f"({len(digests)} replicas): corruption detected, culprit unknown")
-        return Finding(kind=SDC, status="inconclusive", summary=summary, culprit_ranks=[], step=step, pg=group,
-                       confidence=0.5, evidence={**evidence, "check": _check_of(tensor)})
+                summary = (
+                    f"{rank_list(culprits)} received a different gathered {where} than ranks {majority} "
+                    f"at step {step}: all-gather receivers disagree"
+                )
+            return Finding(
+                kind=SDC,
+                summary=summary,
+                culprit_ranks=culprits,
+                step=step,
+                pg=group,
+                evidence={**evidence, "check": _check_of(tensor)},
+            )
+        summary = (
+            f"replicas disagree on {where} after step {step} and no strict majority agrees "
+            f"({len(digests)} replicas): corruption detected, culprit unknown"
+        )
+        return Finding(
+            kind=SDC,
+            status="inconclusive",
+            summary=summary,
+            culprit_ranks=[],
+            step=step,
+            pg=group,
+            confidence=0.5,
+            evidence={**evidence, "check": _check_of(tensor)},
+        )
 
 
 def _check_of(tensor: str) -> str:

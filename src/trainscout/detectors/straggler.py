@@ -36,8 +36,16 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.detectors.periodicity import LOOKBACK, regular_period
-from trainscout.detectors.time_split import (BLOCKED, BLOCKED_SHARED_GPU, DATA, STARVED, PartWatch, blocked_s, data_s,
-                                             starved_s)
+from trainscout.detectors.time_split import (
+    BLOCKED,
+    BLOCKED_SHARED_GPU,
+    DATA,
+    STARVED,
+    PartWatch,
+    blocked_s,
+    data_s,
+    starved_s,
+)
 from trainscout.findings import STRAGGLER, Finding
 from trainscout.markers import GPU_UNMEASURED
 from typing import TYPE_CHECKING
@@ -90,8 +98,16 @@ SLOWEST_SHARE = 0.5  # ... and the slowest rank, clear of every other, in at lea
 
 
 class StragglerDetector:
-    def __init__(self, k: int = 6, m: int = 8, wait_s: float = 5.0, intermittent_min: int = 5,
-                 window: int = 8, spike_ratio: float = 1.5, gpu_compute: bool = True) -> None:
+    def __init__(
+        self,
+        k: int = 6,
+        m: int = 8,
+        wait_s: float = 5.0,
+        intermittent_min: int = 5,
+        window: int = 8,
+        spike_ratio: float = 1.5,
+        gpu_compute: bool = True,
+    ) -> None:
         self.k, self.m, self.wait_s = k, m, wait_s
         self.shared_gpu = False  # several ranks of the job compute on one GPU (the coordinator says so)
         self.gpu_compute = gpu_compute  # judge CUDA jobs by their GPU-side spans (else: not their compute)
@@ -195,8 +211,9 @@ class StragglerDetector:
         outliers: set[int] = set()
         voted: list[int] = []
         if len(windowed) >= 3 and _may_stand_out(windowed, metric.rel):
-            verdict = vote_against_peers(windowed, rel_threshold=metric.rel, abs_threshold=abs_margin,
-                                         z_threshold=PEER_Z)
+            verdict = vote_against_peers(
+                windowed, rel_threshold=metric.rel, abs_threshold=abs_margin, z_threshold=PEER_Z
+            )
             outliers = set(verdict.outliers) if verdict.status == "attributed" else set()
             voted = sorted(outliers)
             if metric.label == "compute":
@@ -222,8 +239,9 @@ class StragglerDetector:
         if metric.label == "compute" and not shared:
             found, fine_outliers = self._judge_fine(step, samples, metric)
             out.extend(found)
-            found, mid_outliers = self._judge_fine(step, samples, metric, MID_WINDOW, MID_REL, MID_K, MID_M,
-                                                   self._mid, self._mid_flags, "mid")
+            found, mid_outliers = self._judge_fine(
+                step, samples, metric, MID_WINDOW, MID_REL, MID_K, MID_M, self._mid, self._mid_flags, "mid"
+            )
             out.extend(found)
             fine_outliers = fine_outliers or mid_outliers
         return out, bool(outliers) or fine_outliers
@@ -238,9 +256,19 @@ class StragglerDetector:
                 windowed[r] = _median(w)
         return windowed
 
-    def _judge_fine(self, step: int, samples: dict[int, float], metric: Metric, window: int = FINE_WINDOW,
-                    rel: float = FINE_REL, k: int = FINE_K, m: int = FINE_M, medians=None, flags=None,
-                    tier: str = "fine") -> tuple[list[Finding], bool]:
+    def _judge_fine(
+        self,
+        step: int,
+        samples: dict[int, float],
+        metric: Metric,
+        window: int = FINE_WINDOW,
+        rel: float = FINE_REL,
+        k: int = FINE_K,
+        m: int = FINE_M,
+        medians=None,
+        flags=None,
+        tier: str = "fine",
+    ) -> tuple[list[Finding], bool]:
         """Smaller, steadier slowdowns: time relative to the same step's peers, over `window` steps (the fine
         tier, FINE_WINDOW; the mid tier, MID_WINDOW)."""
         medians = self._fine if medians is None else medians
@@ -260,8 +288,9 @@ class StragglerDetector:
             return [], False
         voted: set[int] = set()
         if _may_stand_out(norm, rel):
-            verdict = vote_against_peers(norm, rel_threshold=rel, abs_threshold=FINE_ABS_S / median_now,
-                                         z_threshold=PEER_Z)
+            verdict = vote_against_peers(
+                norm, rel_threshold=rel, abs_threshold=FINE_ABS_S / median_now, z_threshold=PEER_Z
+            )
             voted = set(verdict.outliers) if verdict.status == "attributed" else set()
         outliers = self._arrive_last(_clear_of_the_rest(norm, voted, rel / 2), window)
         if tier == "mid":  # an episode of a busy machine can last this long; a straggler is slow alone
@@ -300,8 +329,11 @@ class StragglerDetector:
         1.3-1.5x for 12 steps stayed flagged for 4 steps after it was back to 0.9-1.1x, enough for 6 of 8."""
         if not outliers:
             return outliers
-        last = {r: statistics.median(list(w)[-STILL_SLOW_STEPS:]) for (r, label), w in self._windows.items()
-                if label == metric.label and len(w) >= STILL_SLOW_STEPS}
+        last = {
+            r: statistics.median(list(w)[-STILL_SLOW_STEPS:])
+            for (r, label), w in self._windows.items()
+            if label == metric.label and len(w) >= STILL_SLOW_STEPS
+        }
         return _keep_against_peers(outliers, last, lambda own, peers: own >= (1 + metric.rel / 2) * peers)
 
     def _slowest_in_most_steps(self, outliers: set[int], rel: float, window: int) -> set[int]:
@@ -334,8 +366,9 @@ class StragglerDetector:
             out[r] = statistics.median(recent)
         return out
 
-    def _judge_two(self, step: int, recs: dict[int, StepRecord], samples: dict[int, float],
-                   metric: Metric) -> list[Finding]:
+    def _judge_two(
+        self, step: int, recs: dict[int, StepRecord], samples: dict[int, float], metric: Metric
+    ) -> list[Finding]:
         """Two ranks: no majority. The slower one must also be the one that waits less (arrives last)."""
         windowed = self._windowed(samples, metric)
         self._note_waits(recs)
@@ -351,10 +384,16 @@ class StragglerDetector:
         # must also be slower over the last TWO_RANK_WINDOW steps (median of the per-step ratio), so a verdict
         # needs a slowdown that lasts; a 9-step 1.36x excursion of a healthy rank (2 ranks on 2 busy
         # cores) was once named within 8 steps.
-        sustained = len(self._two_ratio) == TWO_RANK_WINDOW and statistics.median(
-            x if slow == hi else 1 / x for x in self._two_ratio) > 1 + TWO_RANK_REL
-        flagged = (c_slow - c_fast > TWO_RANK_REL * c_fast and c_slow - c_fast > metric.abs_s
-                   and waits[slow] < waits[fast] and sustained)
+        sustained = (
+            len(self._two_ratio) == TWO_RANK_WINDOW
+            and statistics.median(x if slow == hi else 1 / x for x in self._two_ratio) > 1 + TWO_RANK_REL
+        )
+        flagged = (
+            c_slow - c_fast > TWO_RANK_REL * c_fast
+            and c_slow - c_fast > metric.abs_s
+            and waits[slow] < waits[fast]
+            and sustained
+        )
         self.trace.append((step, "compute-2", windowed, [slow] if flagged else [], waits))
         out = []
         for r in windowed:
@@ -365,15 +404,18 @@ class StragglerDetector:
             if f is not None:
                 f.confidence = TWO_RANK_CONFIDENCE
                 f.evidence["wait_s"] = {str(k): round(v, 6) for k, v in waits.items()}
-                f.summary += (f"; with 2 ranks there is no majority: the evidence is arrival order (it waits "
-                              f"{waits[slow] * 1e3:.1f} ms in the gradient sync, its peer {waits[fast] * 1e3:.1f} ms)")
+                f.summary += (
+                    f"; with 2 ranks there is no majority: the evidence is arrival order (it waits "
+                    f"{waits[slow] * 1e3:.1f} ms in the gradient sync, its peer {waits[fast] * 1e3:.1f} ms)"
+                )
                 out.append(f)
         return out
 
     def trace_rows(self) -> list[list]:
         """The recent judgements, values rounded, for the run's events (diagnosis of a missed or a false call)."""
-        return [[{r: round(x, 5) for r, x in v.items()} if isinstance(v, dict) else v for v in row]
-                for row in self.trace]
+        return [
+            [{r: round(x, 5) for r, x in v.items()} if isinstance(v, dict) else v for v in row] for row in self.trace
+        ]
 
     # ---- findings --------------------------------------------------------------------------------
     def _persistent(self, rank, metric, hist, k: int, basis: str) -> Finding | None:
@@ -389,19 +431,33 @@ class StragglerDetector:
         steps = [s for s, _ in flagged]
         if metric.label == "compute":
             measure = "time to the end of backward (GPU or host)" if self.compute_measure == "gpu" else "CPU time"
-            summary = (f"rank {rank} is a compute straggler: it needs {ratio:.2f}x the {measure} of its peers per "
-                       f"step (~{(ratio - 1) * 100:.0f}% slower, {len(steps)} of the last {len(hist)} steps); "
-                       "its peers wait for it")
+            summary = (
+                f"rank {rank} is a compute straggler: it needs {ratio:.2f}x the {measure} of its peers per "
+                f"step (~{(ratio - 1) * 100:.0f}% slower, {len(steps)} of the last {len(hist)} steps); "
+                "its peers wait for it"
+            )
         else:
             measure = "wall time"
             what = "data loading" if metric.label == "data_loading" else "checkpoint writes"
-            summary = (f"rank {rank} stalls in {what}: {ratio:.1f}x its peers' time per step "
-                       f"({len(steps)} of the last {len(hist)} steps); its peers wait for it")
-        return Finding(kind=STRAGGLER, summary=summary, culprit_ranks=[rank], step=steps[-1],
-                       confidence=min(1.0, 0.5 + 0.1 * len(steps)),
-                       evidence={"type": metric.label, "ratio": round(ratio, 3), "slowdown": round(ratio - 1, 3),
-                                 "measure": measure, "flagged_steps": steps,
-                                 "basis": basis or "per-step durations, statistical C3"})
+            summary = (
+                f"rank {rank} stalls in {what}: {ratio:.1f}x its peers' time per step "
+                f"({len(steps)} of the last {len(hist)} steps); its peers wait for it"
+            )
+        return Finding(
+            kind=STRAGGLER,
+            summary=summary,
+            culprit_ranks=[rank],
+            step=steps[-1],
+            confidence=min(1.0, 0.5 + 0.1 * len(steps)),
+            evidence={
+                "type": metric.label,
+                "ratio": round(ratio, 3),
+                "slowdown": round(ratio - 1, 3),
+                "measure": measure,
+                "flagged_steps": steps,
+                "basis": basis or "per-step durations, statistical C3",
+            },
+        )
 
     def _intermittent(self, rank, metric) -> Finding | None:
         key = (rank, metric.label, "intermittent")
@@ -411,12 +467,18 @@ class StragglerDetector:
         if found is None:
             return None  # not regular, or (nearly) every step: the persistent rule covers that
         self._reported.add(key)
-        recent = found.hits[-self.intermittent_min:]
-        return Finding(kind=STRAGGLER, culprit_ranks=[rank], step=recent[-1], confidence=0.8,
-                       summary=(f"rank {rank} is an intermittent {metric.label.replace('_', ' ')} straggler: "
-                                f"slow every {found.period} steps (steps {', '.join(map(str, recent))})"),
-                       evidence={"type": metric.label, "intermittent": True, "period": found.period,
-                                 "flagged_steps": recent})
+        recent = found.hits[-self.intermittent_min :]
+        return Finding(
+            kind=STRAGGLER,
+            culprit_ranks=[rank],
+            step=recent[-1],
+            confidence=0.8,
+            summary=(
+                f"rank {rank} is an intermittent {metric.label.replace('_', ' ')} straggler: "
+                f"slow every {found.period} steps (steps {', '.join(map(str, recent))})"
+            ),
+            evidence={"type": metric.label, "intermittent": True, "period": found.period, "flagged_steps": recent},
+        )
 
 
 def _keep_against_peers(outliers: set[int], values: dict[int, float], passes) -> set[int]:
@@ -493,4 +555,3 @@ def _middle(s: list[float]) -> float:
     """The median of an already sorted, non-empty list."""
     h = len(s) // 2
     return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
-

@@ -63,23 +63,71 @@ class Part:
     small_intermittent_min: int = 0
 
 
-BLOCKED = Part("blocked", window=5, abs_s=0.002, rel=0.04, z=6.0, k=4, m=5, spike_rel=0.5, spike_abs_s=0.02,
-               intermittent_min=3, arrival=False, small_intermittent_min=6,
-               what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)")
+BLOCKED = Part(
+    "blocked",
+    window=5,
+    abs_s=0.002,
+    rel=0.04,
+    z=6.0,
+    k=4,
+    m=5,
+    spike_rel=0.5,
+    spike_abs_s=0.02,
+    intermittent_min=3,
+    arrival=False,
+    small_intermittent_min=6,
+    what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)",
+)
 # Several ranks on one GPU compete for it: which of them waits on its host for the GPU (a synchronising copy,
 # an allocation) is the GPU's scheduling, not a fault, and on the one-GPU machine with 4 ranks healthy ranks took
 # turns being 2-5 ms blocked over their peers for tens of steps. Only a block of half a step is named there.
-BLOCKED_SHARED_GPU = Part("blocked", window=5, abs_s=0.002, rel=0.5, z=6.0, k=4, m=5, spike_rel=1.0,
-                          spike_abs_s=0.02, intermittent_min=3, arrival=False, what=BLOCKED.what)
+BLOCKED_SHARED_GPU = Part(
+    "blocked",
+    window=5,
+    abs_s=0.002,
+    rel=0.5,
+    z=6.0,
+    k=4,
+    m=5,
+    spike_rel=1.0,
+    spike_abs_s=0.02,
+    intermittent_min=3,
+    arrival=False,
+    what=BLOCKED.what,
+)
 # Time inside DataLoader iteration is steady on healthy ranks too (the demo's in-process loader: ~0.5 ms a
 # batch): a blocking read of 5 ms a batch stands out like a blocked rank. Only ranks that loaded data in a step
 # are compared (a rank-0-only loader is a design choice, not a straggler).
-DATA = Part("data_loading", window=5, abs_s=0.002, rel=0.04, z=6.0, k=4, m=5, spike_rel=0.5, spike_abs_s=0.02,
-            intermittent_min=3, arrival=False, what="loading data (inside DataLoader iteration)")
+DATA = Part(
+    "data_loading",
+    window=5,
+    abs_s=0.002,
+    rel=0.04,
+    z=6.0,
+    k=4,
+    m=5,
+    spike_rel=0.5,
+    spike_abs_s=0.02,
+    intermittent_min=3,
+    arrival=False,
+    what="loading data (inside DataLoader iteration)",
+)
 # Healthy ranks beside a CPU hog showed 8-step medians up to 58 ms over their peers' (1.4 steps): the scheduler
 # rotates whom it delays within a few tens of steps, so only a long, large excess is a starved core.
-STARVED = Part("starved", window=16, abs_s=0.01, rel=0.25, z=6.0, k=28, m=32, spike_rel=10.0, spike_abs_s=10.0,
-               intermittent_min=10 ** 6, arrival=True, what="waiting for a CPU core (runnable, not running)")
+STARVED = Part(
+    "starved",
+    window=16,
+    abs_s=0.01,
+    rel=0.25,
+    z=6.0,
+    k=28,
+    m=32,
+    spike_rel=10.0,
+    spike_abs_s=10.0,
+    intermittent_min=10**6,
+    arrival=True,
+    what="waiting for a CPU core (runnable, not running)",
+)
 
 
 def blocked_s(rec) -> float | None:
@@ -176,13 +224,24 @@ class PartWatch:
         steps = [s for s, _ in hits]
         share = excess / level if level > 0 else 0.0
         return Finding(
-            kind=STRAGGLER, culprit_ranks=[rank], step=steps[-1], confidence=min(1.0, 0.5 + 0.1 * len(steps)),
-            summary=(f"rank {rank} is a straggler: it spends {excess * 1e3:.1f} ms a step more than its peers "
-                     f"{p.what} ({share * 100:.0f}% of a step, {len(steps)} of the last {len(hist)} steps); "
-                     "its peers wait for it"),
-            evidence={"type": p.label, "excess_s": round(excess, 6), "share_of_step": round(share, 3),
-                      "ratio": round(1 + share, 3), "flagged_steps": steps,
-                      "basis": f"{p.window}-step medians of time {p.label}, statistical C3 against its peers"})
+            kind=STRAGGLER,
+            culprit_ranks=[rank],
+            step=steps[-1],
+            confidence=min(1.0, 0.5 + 0.1 * len(steps)),
+            summary=(
+                f"rank {rank} is a straggler: it spends {excess * 1e3:.1f} ms a step more than its peers "
+                f"{p.what} ({share * 100:.0f}% of a step, {len(steps)} of the last {len(hist)} steps); "
+                "its peers wait for it"
+            ),
+            evidence={
+                "type": p.label,
+                "excess_s": round(excess, 6),
+                "share_of_step": round(share, 3),
+                "ratio": round(1 + share, 3),
+                "flagged_steps": steps,
+                "basis": f"{p.window}-step medians of time {p.label}, statistical C3 against its peers",
+            },
+        )
 
     def _spike(self, step: int, values: dict[int, float], wall: float) -> list[Finding]:
         p = self.part
@@ -210,13 +269,26 @@ class PartWatch:
                 continue
             self._reported.add((r, "intermittent"))
             recent = found.hits[-need:]
-            out.append(Finding(
-                kind=STRAGGLER, culprit_ranks=[r], step=recent[-1], confidence=0.8,
-                summary=(f"rank {r} is an intermittent straggler: every {found.period} steps it spends "
-                         f"{excess * 1e3:.0f} ms {p.what} (steps {', '.join(map(str, recent))}); its peers wait "
-                         "for it"),
-                evidence={"type": p.label, "intermittent": True, "period": found.period, "flagged_steps": recent,
-                          "excess_s": round(excess, 6)}))
+            out.append(
+                Finding(
+                    kind=STRAGGLER,
+                    culprit_ranks=[r],
+                    step=recent[-1],
+                    confidence=0.8,
+                    summary=(
+                        f"rank {r} is an intermittent straggler: every {found.period} steps it spends "
+                        f"{excess * 1e3:.0f} ms {p.what} (steps {', '.join(map(str, recent))}); its peers wait "
+                        "for it"
+                    ),
+                    evidence={
+                        "type": p.label,
+                        "intermittent": True,
+                        "period": found.period,
+                        "flagged_steps": recent,
+                        "excess_s": round(excess, 6),
+                    },
+                )
+            )
         return out
 
 

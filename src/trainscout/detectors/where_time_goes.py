@@ -30,8 +30,10 @@ class Where:
 
     def line(self) -> str:
         tail = " <- ".join(reversed(self.path[-4:]))
-        return (f"{tail}: {self.share * 100:.0f}% of its sampled time, {self.peer_share * 100:.0f}% of its "
-                f"peers' ({self.samples} samples)")
+        return (
+            f"{tail}: {self.share * 100:.0f}% of its sampled time, {self.peer_share * 100:.0f}% of its "
+            f"peers' ({self.samples} samples)"
+        )
 
 
 def parse_collapsed(text: str, thread: str = "MainThread") -> tuple[dict[tuple[str, ...], int], int]:
@@ -93,8 +95,11 @@ def where_time_goes(slow: str, peers: list[str]) -> Where | None:
     if not peer_frames:
         return None
     shares = _shares(stacks, total)
-    excess = {prefix: share - max(f.get(prefix[-1], 0.0) for f in peer_frames) for prefix, share in shares.items()
-              if not any(c in frame for frame in prefix for c in _COLLECTIVE)}
+    excess = {
+        prefix: share - max(f.get(prefix[-1], 0.0) for f in peer_frames)
+        for prefix, share in shares.items()
+        if not any(c in frame for frame in prefix for c in _COLLECTIVE)
+    }
     best = max(excess, key=lambda k: (excess[k], -len(k)), default=None)
     if best is None or excess[best] < MIN_EXCESS:
         return None

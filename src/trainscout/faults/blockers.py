@@ -160,8 +160,14 @@ class GpuBlocker:
 
 def make_blocker(how: str) -> Any:
     """The blocker for delay's `how` (data uses the pipe, in the DataLoader)."""
-    makers = {"sleep": SleepBlocker, "busy": BusyBlocker, "read": PipeBlocker, "data": PipeBlocker,
-              "lock": LockBlocker, "gpu": GpuBlocker}
+    makers = {
+        "sleep": SleepBlocker,
+        "busy": BusyBlocker,
+        "read": PipeBlocker,
+        "data": PipeBlocker,
+        "lock": LockBlocker,
+        "gpu": GpuBlocker,
+    }
     if how not in makers:
         raise ValueError(f"unknown how={how!r}; valid: {', '.join(makers)}")
     return makers[how]()

@@ -74,7 +74,7 @@ class DelayDrill:
                 self._maybe_block()
                 return _real(iterator, *args, **kwargs)
 
-            setattr(owner, "_next_data", delayed_fetch)
+            owner._next_data = delayed_fetch
             self._patched.append((owner, "_next_data", real, delayed_fetch))
         if not self._patched:
             raise ValueError("this torch has no DataLoader _next_data to delay")

@@ -40,8 +40,12 @@ def record(rank: int, kind: str, step: int, params: Mapping[str, Any]) -> None:
         path = os.environ.get(FAULT_LOG_ENV)
         if not path:
             return
-        line = json.dumps({"t": time.time(), "rank": rank, "kind": kind, "step": step, "params": dict(params)},
-                          default=str) + "\n"
+        line = (
+            json.dumps(
+                {"t": time.time(), "rank": rank, "kind": kind, "step": step, "params": dict(params)}, default=str
+            )
+            + "\n"
+        )
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())

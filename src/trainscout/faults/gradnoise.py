@@ -56,8 +56,10 @@ class GradNoiseDrill:
             self._handles.append(self._layer.register_forward_hook(self._on_output))
             where = f"the gradient flowing back into {describe_layer(self._layer_name)}'s output"
         count = self.schedule.count
-        return (f"how={self.how}: noise of {self.scale:g}x the RMS added to {where} in {count} backward "
-                f"pass(es) from step {self.schedule.start}")
+        return (
+            f"how={self.how}: noise of {self.scale:g}x the RMS added to {where} in {count} backward "
+            f"pass(es) from step {self.schedule.start}"
+        )
 
     def on_step(self, step: int) -> None:
         self._step = step

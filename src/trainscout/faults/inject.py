@@ -37,8 +37,26 @@ _record = record
 
 # Faults driven by the optimizer step; the order says what goes first when several are due at one step:
 # the ones that return (slow, pause) before the ones that never do.
-_STEP_KINDS = ("slow", "straggle", "gpuslow", "dataslow", "ckptslow", "commslow", "pause", "corrupt", "nan",
-               "perturb", "delay", "starve", "gradnoise", "outflip", "hang", "gil", "crash", "exit")
+_STEP_KINDS = (
+    "slow",
+    "straggle",
+    "gpuslow",
+    "dataslow",
+    "ckptslow",
+    "commslow",
+    "pause",
+    "corrupt",
+    "nan",
+    "perturb",
+    "delay",
+    "starve",
+    "gradnoise",
+    "outflip",
+    "hang",
+    "gil",
+    "crash",
+    "exit",
+)
 _EVERY_STEP = ("slow", "straggle", "gpuslow")  # fire at every step from spec.step on; the others fire once
 # Armed once, then they act on their own schedule (faults/schedule.py) from hooks in forward, backward or data
 # loading, or from child processes; the injector ticks their clock every step and writes their fault log lines.
@@ -66,8 +84,7 @@ _SIGNATURES: dict[str, tuple[str, ...]] = {
     "broadcast_object_list": ("object_list", "src", "group", "device", "group_src"),
     "all_gather_object": ("object_list", "obj", "group"),
     "gather_object": ("obj", "object_gather_list", "dst", "group", "group_dst"),
-    "scatter_object_list": ("scatter_object_output_list", "scatter_object_input_list", "src", "group",
-                            "group_src"),
+    "scatter_object_list": ("scatter_object_output_list", "scatter_object_input_list", "src", "group", "group_src"),
 }
 
 # The tensor this rank contributes, i.e. the one a shape/dtype desync replaces.
@@ -85,8 +102,14 @@ _INPUT_TENSOR: dict[str, str] = {
     "scatter": "tensor",
 }
 
-_REDUCING = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-             "reduce_scatter_single")
+_REDUCING = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+)
 
 
 class _NotApplicable(Exception):
@@ -303,8 +326,9 @@ class FaultInjector:
 
     # ---- optimizer step ----------------------------------------------------------------------------
 
-    def on_step_end(self, step: int, optimizer: Any = None, names: Mapping[int, str] | None = None,
-                    model: Any = None) -> None:
+    def on_step_end(
+        self, step: int, optimizer: Any = None, names: Mapping[int, str] | None = None, model: Any = None
+    ) -> None:
         """Fire the step-driven faults due after `step` optimizer steps. Raises only by design.
 
         optimizer/names/model: the optimizer that just stepped, parameter names and the replicated model,
@@ -367,14 +391,17 @@ class FaultInjector:
                         self._fired.add(index)  # marks "announced": logs once, acts every step
                         _record(self.rank, spec.kind, step, spec.params)
                         if spec.kind == "slow":
-                            _log(f"rank {self.rank}: slow: sleeping {spec.params['ms']:g} ms per step "
-                                 f"from step {step}")
+                            _log(f"rank {self.rank}: slow: sleeping {spec.params['ms']:g} ms per step from step {step}")
                         elif spec.kind == "gpuslow":
-                            _log(f"rank {self.rank}: gpuslow: a {spec.params['ms']:g} ms spin kernel on the "
-                                 f"current CUDA stream every step from step {step}")
+                            _log(
+                                f"rank {self.rank}: gpuslow: a {spec.params['ms']:g} ms spin kernel on the "
+                                f"current CUDA stream every step from step {step}"
+                            )
                         else:
-                            _log(f"rank {self.rank}: straggle: {spec.params['factor']:g}x extra CPU work every "
-                                 f"{spec.params['every']} step(s) from step {step}")
+                            _log(
+                                f"rank {self.rank}: straggle: {spec.params['factor']:g}x extra CPU work every "
+                                f"{spec.params['every']} step(s) from step {step}"
+                            )
                 elif index not in self._fired:
                     # >= rather than ==: a probe attached a few steps late still fires the fault once.
                     self._fired.add(index)
@@ -475,8 +502,10 @@ class FaultInjector:
         if kind == "dataslow":
             from torch.utils.data import dataloader as module
 
-            targets = [(module._SingleProcessDataLoaderIter, "_next_data"),
-                       (module._MultiProcessingDataLoaderIter, "_next_data")]
+            targets = [
+                (module._SingleProcessDataLoaderIter, "_next_data"),
+                (module._MultiProcessingDataLoaderIter, "_next_data"),
+            ]
         else:
             import torch.serialization as module
 
@@ -569,8 +598,12 @@ class FaultInjector:
                 if what == "pg":
                     detail = self._desync_pg(call)
                 else:
-                    detail = {"shape": _desync_shape, "dtype": _desync_dtype, "op": _desync_op,
-                              "reduce": _desync_reduce}[what](call)
+                    detail = {
+                        "shape": _desync_shape,
+                        "dtype": _desync_dtype,
+                        "op": _desync_op,
+                        "reduce": _desync_reduce,
+                    }[what](call)
             except _NotApplicable:
                 return unchanged  # stays pending: the next collective that can carry it gets it
             except Exception as exc:

@@ -29,8 +29,10 @@ def _pick(optimizer, names: dict[int, str], wanted: str, target: str, key: str =
     if key:
         v = state.get(key)
         if not hasattr(v, "numel") or v.numel() == 0:
-            raise ValueError(f"parameter {name!r} has no optimizer state tensor {key!r} "
-                             f"(have: {', '.join(sorted(map(str, state))) or 'none yet'})")
+            raise ValueError(
+                f"parameter {name!r} has no optimizer state tensor {key!r} "
+                f"(have: {', '.join(sorted(map(str, state))) or 'none yet'})"
+            )
         return f"{name}:{key}", v.to_local() if hasattr(v, "to_local") else v
     for key in sorted(state):
         v = state[key]
@@ -41,8 +43,12 @@ def _pick(optimizer, names: dict[int, str], wanted: str, target: str, key: str =
 
 # The highest exponent bit per float width: flipping it scales a small value by 2**(2**(exponent bits - 1)),
 # the classic silent-data-corruption bit.
-_TOP_EXPONENT_BIT = {"float32": ("int32", 30), "float16": ("int16", 14), "bfloat16": ("int16", 14),
-                     "float64": ("int64", 62)}
+_TOP_EXPONENT_BIT = {
+    "float32": ("int32", 30),
+    "float16": ("int16", 14),
+    "bfloat16": ("int16", 14),
+    "float64": ("int64", 62),
+}
 
 
 def _chosen_elements(flat, frac: float):

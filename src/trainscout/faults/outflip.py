@@ -57,8 +57,10 @@ class OutFlipDrill:
 
             layer.forward = flipped_forward
         what = "a sign flip" if self.factor == -1 else f"x{self.factor:g}"
-        return (f"how={self.how}: {describe_layer(self._layer_name)} outputs {what} on every forward from step "
-                f"{self.schedule.start}")
+        return (
+            f"how={self.how}: {describe_layer(self._layer_name)} outputs {what} on every forward from step "
+            f"{self.schedule.start}"
+        )
 
     def on_step(self, step: int) -> None:
         self._step = step

@@ -74,8 +74,9 @@ class FaultSpec:
         empty default (``tensor=``) is no valid key=value.
         """
         defaults = _KIND_PARAMS.get(self.kind, {})
-        tail = [f"step={self.step}"] + [f"{k}={format_value(v)}" for k, v in self.params.items()
-                                        if k not in defaults or v != defaults[k]]
+        tail = [f"step={self.step}"] + [
+            f"{k}={format_value(v)}" for k, v in self.params.items() if k not in defaults or v != defaults[k]
+        ]
         ranks = ["all"] if self.ranks is None else [str(r) for r in self.ranks]
         return ";".join(":".join([self.kind, f"rank={r}", *tail]) for r in ranks)
 
@@ -198,16 +199,20 @@ def _check_corrupt_combination(params: dict, given: set[str], token: str) -> Non
     if "factor" in given and params["how"] != "scale":
         raise ValueError(f"fault spec {token!r}: factor= is used by how=scale only")
     if "frac" in given and (params["how"] in ("pct1", "pct100") or params["target"] == "gathered"):
-        raise ValueError(f"fault spec {token!r}: frac= does not apply to how={params['how']} / "
-                         f"target={params['target']}; valid hows with frac: bitflip, sign, scale, expflip, signflip")
+        raise ValueError(
+            f"fault spec {token!r}: frac= does not apply to how={params['how']} / "
+            f"target={params['target']}; valid hows with frac: bitflip, sign, scale, expflip, signflip"
+        )
 
 
 def _parse_ranks(text: str, token: str) -> tuple[int, ...] | None:
     if text == "all":
         return None
     if not text.lstrip("-").isdigit():
-        raise ValueError(f"fault spec {token!r}: rank={text!r} is not an integer or 'all' "
-                         "(one rank per spec; use several specs for several ranks)")
+        raise ValueError(
+            f"fault spec {token!r}: rank={text!r} is not an integer or 'all' "
+            "(one rank per spec; use several specs for several ranks)"
+        )
     return (_parse_int("rank", text, token, minimum=0),)
 
 
@@ -227,11 +232,13 @@ def parse_fault(token: str) -> FaultSpec:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
-            raise ValueError(f"fault spec {token!r}: {item!r} is not key=value; valid keys for {kind}: "
-                             f"{', '.join(valid_keys)}")
+            raise ValueError(
+                f"fault spec {token!r}: {item!r} is not key=value; valid keys for {kind}: {', '.join(valid_keys)}"
+            )
         if key not in valid_keys:
-            raise ValueError(f"fault spec {token!r}: unknown key {key!r}; valid keys for {kind}: "
-                             f"{', '.join(valid_keys)}")
+            raise ValueError(
+                f"fault spec {token!r}: unknown key {key!r}; valid keys for {kind}: {', '.join(valid_keys)}"
+            )
         if key in seen:
             raise ValueError(f"fault spec {token!r}: key {key!r} given twice")
         seen.add(key)

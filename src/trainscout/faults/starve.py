@@ -93,9 +93,15 @@ class CpuStarver:
         # PR_SET_PDEATHSIG fires when the thread that forked dies: the probe calls on_step_end from the
         # training thread, which lives as long as the rank.
         for _ in range(self.hogs_wanted):
-            self.hogs.append(subprocess.Popen([sys.executable, "-I", "-S", "-c", _HOG, str(os.getpid()), str(cpu)],
-                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, close_fds=True))
+            self.hogs.append(
+                subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _HOG, str(os.getpid()), str(cpu)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    close_fds=True,
+                )
+            )
 
     def close(self) -> None:
         """Kill the hogs and give the rank's threads their CPUs back."""

@@ -219,12 +219,16 @@ def _load_native() -> tuple[ModuleType | None, str]:
         return None, f"native module failed to load ({exc!r})"
     version = getattr(_native, "API_VERSION", None)
     if version != NATIVE_API_VERSION:
-        return None, (f"native module {_native.__file__} has interface {version}, this code wants "
-                      f"{NATIVE_API_VERSION}: stale build, reinstall the package")
+        return None, (
+            f"native module {_native.__file__} has interface {version}, this code wants "
+            f"{NATIVE_API_VERSION}: stale build, reinstall the package"
+        )
     return _native, ""
 
 
 _native, NATIVE_UNAVAILABLE = _load_native()
+
+
 def _settings():
     from trainscout.config import from_environ
 
@@ -386,13 +390,10 @@ def fingerprint_range(
     data = tensor_bytes(t.cpu() if t.device.type != "cpu" else t)
     _check_range(int(data.numel()), start_byte, end_byte)
     piece = data[start_byte:end_byte]
-    return fingerprint_bytes(_numpy_view(piece), word_base=start_byte // 4, chunk_words=chunk_words,
-                             threads=threads)
+    return fingerprint_bytes(_numpy_view(piece), word_base=start_byte // 4, chunk_words=chunk_words, threads=threads)
 
 
-def fingerprint_tensor(
-    t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS, threads: int | None = None
-) -> int:
+def fingerprint_tensor(t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS, threads: int | None = None) -> int:
     """Fingerprint of a tensor's bytes in C order, any dtype (bf16, bool, ...). A CUDA tensor is copied to
     the host first; use `trainscout.fingerprint.fingerprint` to stay on the device."""
     data = tensor_bytes(t.cpu() if t.device.type != "cpu" else t)

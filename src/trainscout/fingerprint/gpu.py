@@ -80,8 +80,9 @@ if HAVE_TRITON:
             return x >> s
 
     @triton.jit
-    def _xorshift_mul(x, S1: tl.constexpr, M1: tl.constexpr, S2: tl.constexpr, M2: tl.constexpr,
-                      S3: tl.constexpr, MULHI: tl.constexpr):
+    def _xorshift_mul(
+        x, S1: tl.constexpr, M1: tl.constexpr, S2: tl.constexpr, M2: tl.constexpr, S3: tl.constexpr, MULHI: tl.constexpr
+    ):
         x = x ^ _shr(x, S1, MULHI)
         x = x * tl.full(x.shape, M1, tl.uint32)
         x = x ^ _shr(x, S2, MULHI)
@@ -109,8 +110,18 @@ if HAVE_TRITON:
 
     @triton.jit(
         do_not_specialize=[
-            "part_off", "part_stride", "n_parts", "slot", "n_words", "seed_a", "seed_b",
-            "tail_bytes", "tail_seed_a", "tail_seed_b", "len_lo", "len_hi",
+            "part_off",
+            "part_stride",
+            "n_parts",
+            "slot",
+            "n_words",
+            "seed_a",
+            "seed_b",
+            "tail_bytes",
+            "tail_seed_a",
+            "tail_seed_b",
+            "len_lo",
+            "len_hi",
         ],
         do_not_specialize_on_alignment=["tail_ptr", "part_ptr", "counter_ptr", "out_ptr"],
     )
@@ -414,8 +425,16 @@ class PreparedRanges:
         self.max_parts = max(self.max_parts, grid)
         length = cpu.length_term(nbytes)
         i_tail = word_base + n_words
-        ints = (n_words, _i32(cpu.tweak_a(word_base)), _i32(cpu.tweak_b(word_base)), tail_bytes,
-                _i32(cpu.tweak_a(i_tail)), _i32(cpu.tweak_b(i_tail)), _i32(length), _i32(length >> 32))
+        ints = (
+            n_words,
+            _i32(cpu.tweak_a(word_base)),
+            _i32(cpu.tweak_b(word_base)),
+            tail_bytes,
+            _i32(cpu.tweak_a(i_tail)),
+            _i32(cpu.tweak_b(i_tail)),
+            _i32(length),
+            _i32(length >> 32),
+        )
         constexprs = (cfg.rows, cfg.cols, cfg.mulhi, tail_bytes > 0)
         return (start, n_words, grid, ints, constexprs)
 
@@ -441,8 +460,13 @@ class PreparedRanges:
         w_addr = base + start
         if n_words and w_addr % 4:
             return None
-        return (self.device.type, self.device.index, (not n_words) or w_addr % 16 == 0, constexprs,
-                self.config.num_warps)
+        return (
+            self.device.type,
+            self.device.index,
+            (not n_words) or w_addr % 16 == 0,
+            constexprs,
+            self.config.num_warps,
+        )
 
     def enqueue(self, out: torch.Tensor, tensors: list[torch.Tensor] | None = None) -> None:
         """Enqueue every range's fingerprint into out[0..len-1] on the current stream; no host sync.
@@ -477,8 +501,18 @@ class PreparedRanges:
                 w_addr = base + start
                 try:
                     kernel[(grid, 1, 1)](
-                        w_addr if n_words else sp, w_addr + 4 * n_words if constexprs[3] else sp, part, sp, optr,
-                        0, cap, grid, i, *ints, *constexprs, stream=stream,
+                        w_addr if n_words else sp,
+                        w_addr + 4 * n_words if constexprs[3] else sp,
+                        part,
+                        sp,
+                        optr,
+                        0,
+                        cap,
+                        grid,
+                        i,
+                        *ints,
+                        *constexprs,
+                        stream=stream,
                     )
                     continue
                 except Exception:  # Triton's internals moved: the general path from now on
@@ -529,9 +563,7 @@ def fingerprint_tensor_cuda_async(
         _enqueue(src, 0, src.numel() * src.element_size(), 0, out, slot)
 
 
-def fingerprint_range_cuda_async(
-    t: torch.Tensor, start_byte: int, end_byte: int, out: torch.Tensor, slot: int
-) -> None:
+def fingerprint_range_cuda_async(t: torch.Tensor, start_byte: int, end_byte: int, out: torch.Tensor, slot: int) -> None:
     """`fingerprint_tensor_cuda_async` for bytes [start_byte, end_byte) of t, on the current stream (same
     definition as `cpu.fingerprint_range`: word indices offset by start_byte/4, L = end_byte - start_byte).
     Ranges starting at a multiple of 16 bytes (of a 16-byte aligned tensor) get 16-byte loads."""

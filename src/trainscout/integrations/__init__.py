@@ -70,8 +70,11 @@ def install_in_probe(probe) -> None:
 
 def _side_groups(probe) -> list:
     """Groups the probe or the fault injector created beside the job's own (replay, pg desync)."""
-    found = [getattr(probe, "_side_group", None), getattr(probe, "_replay_group", None),
-             getattr(getattr(probe, "injector", None), "_side_group", None)]
+    found = [
+        getattr(probe, "_side_group", None),
+        getattr(probe, "_replay_group", None),
+        getattr(getattr(probe, "injector", None), "_side_group", None),
+    ]
     return [g for g in found if g is not None and hasattr(g, "group_name")]
 
 

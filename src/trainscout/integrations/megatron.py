@@ -14,10 +14,12 @@ def wrap_initialize(module, declare, on_error) -> None:
     real = module.initialize_model_parallel
 
     def learn(_result, _args, _kwargs) -> None:
-        for getter, role in (("get_data_parallel_group", "replicate"),
-                             ("get_tensor_model_parallel_group", "tensor"),
-                             ("get_pipeline_model_parallel_group", "pipeline"),
-                             ("get_context_parallel_group", "context")):
+        for getter, role in (
+            ("get_data_parallel_group", "replicate"),
+            ("get_tensor_model_parallel_group", "tensor"),
+            ("get_pipeline_model_parallel_group", "pipeline"),
+            ("get_context_parallel_group", "context"),
+        ):
             try:
                 group = getattr(module, getter)()
             except Exception:

@@ -33,9 +33,16 @@ def build(groups_by_rank: Mapping[int, Iterable[Mapping]]) -> dict:
     for rank in sorted(groups_by_rank):
         for g in groups_by_rank[rank]:
             name = str(g["name"])
-            entry = groups.setdefault(name, {"name": name, "desc": str(g.get("desc") or ""),
-                                             "members": sorted(int(r) for r in g.get("members") or []),
-                                             "role": "", "framework": ""})
+            entry = groups.setdefault(
+                name,
+                {
+                    "name": name,
+                    "desc": str(g.get("desc") or ""),
+                    "members": sorted(int(r) for r in g.get("members") or []),
+                    "role": "",
+                    "framework": "",
+                },
+            )
             if not entry["members"] and g.get("members"):
                 entry["members"] = sorted(int(r) for r in g["members"])
             if not entry["role"] and g.get("role"):
@@ -91,13 +98,15 @@ class TopologyTracker:
         self.doc: dict | None = None
         self.shown = ""
 
-    def update(self, groups_by_rank: Mapping[int, Iterable[Mapping]],
-               steps: Mapping[int, int]) -> tuple[dict | None, str | None]:
+    def update(
+        self, groups_by_rank: Mapping[int, Iterable[Mapping]], steps: Mapping[int, int]
+    ) -> tuple[dict | None, str | None]:
         """(the new document if anything changed, the line to show now if any)."""
         doc = build(groups_by_rank)
         changed = None
         if self.doc is None or {k: v for k, v in doc.items() if k != "line"} != {
-                k: v for k, v in self.doc.items() if k != "line"}:
+            k: v for k, v in self.doc.items() if k != "line"
+        }:
             self.doc = changed = doc
         show = None
         if steps and min(steps.values()) >= 1 and doc["line"] != self.shown:

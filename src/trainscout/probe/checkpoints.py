@@ -40,9 +40,17 @@ def certificate(run_id: str, rank: int, step: int, target: str, how: str) -> dic
     else:
         status, reason = "unverified", "rotations not yet complete"
     return {
-        "schema": 1, "checkpoint": os.path.abspath(target), "saved_by": how, "rank": rank, "step": step,
-        "saved_at": time.time(), "run_id": run_id, "run_dir": os.environ.get("TRAINSCOUT_RUN_DIR", ""),
-        "status": status, "reason": reason, "trust": trust,
+        "schema": 1,
+        "checkpoint": os.path.abspath(target),
+        "saved_by": how,
+        "rank": rank,
+        "step": step,
+        "saved_at": time.time(),
+        "run_id": run_id,
+        "run_dir": os.environ.get("TRAINSCOUT_RUN_DIR", ""),
+        "status": status,
+        "reason": reason,
+        "trust": trust,
     }
 
 
@@ -128,8 +136,10 @@ class CheckpointHooks:
         def save_checkpoint(engine, save_dir, tag=None, *args, **kwargs):
             result = real(engine, save_dir, tag, *args, **kwargs)
             if hooks.rank == 0:
-                hooks._after_save(os.path.join(save_dir, str(tag if tag is not None else engine.global_steps)),
-                                  "deepspeed save_checkpoint")
+                hooks._after_save(
+                    os.path.join(save_dir, str(tag if tag is not None else engine.global_steps)),
+                    "deepspeed save_checkpoint",
+                )
             return result
 
         save_checkpoint.__wrapped__ = real  # type: ignore[attr-defined]

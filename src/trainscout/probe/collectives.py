@@ -46,8 +46,13 @@ _SYNC_RECORDED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tens
 
 
 class CollectiveTap:
-    def __init__(self, get_step: Callable[[], int], injector=None, on_error: Callable[[str], None] = print,
-                 record_sync: Callable | None = None) -> None:
+    def __init__(
+        self,
+        get_step: Callable[[], int],
+        injector=None,
+        on_error: Callable[[str], None] = print,
+        record_sync: Callable | None = None,
+    ) -> None:
         self.record_sync = record_sync
         self.on_wait: Callable[[str, float], None] | None = None  # (group name, seconds) of a blocking call
         # CUDA jobs: an event before a blocking call (or None) and the call's end given that event (StepTiming)
@@ -120,8 +125,13 @@ class CollectiveTap:
             seq = int(group._get_sequence_number_for_group()) + 1
             parts = []
             op = bound.get("op")
-            if op is not None or name in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                                     "reduce_scatter_single"):
+            if op is not None or name in (
+                "all_reduce",
+                "reduce",
+                "reduce_scatter",
+                "reduce_scatter_tensor",
+                "reduce_scatter_single",
+            ):
                 parts.append(f"op={_op_name(op)}")
             for key in _ROOT_ARGS:
                 if bound.get(key) is not None:
@@ -130,8 +140,12 @@ class CollectiveTap:
             if extra:
                 self._remember_extra(group.group_name, seq, extra)
             tensor_arg = _SYNC_RECORDED.get(name)
-            if not (tensor_arg and self.record_sync is not None and bound.get(tensor_arg) is not None
-                    and self._record_now(name, group.group_name, seq, bound[tensor_arg], extra)):
+            if not (
+                tensor_arg
+                and self.record_sync is not None
+                and bound.get(tensor_arg) is not None
+                and self._record_now(name, group.group_name, seq, bound[tensor_arg], extra)
+            ):
                 self._note_python(group.group_name, seq)
             return None if bound.get("async_op") else group.group_name
         except Exception as exc:  # fail open: lose the extra detail, keep training untouched
@@ -173,8 +187,9 @@ class CollectiveTap:
             seq = int(group._get_sequence_number_for_group()) + 1
             extra = f"op={str(bound['reduceOp']).upper()}"
             self._remember_extra(group.group_name, seq, extra)
-            if self.record_sync is not None and self._record_now("all_reduce", group.group_name, seq, bound["self"],
-                                                                 extra):
+            if self.record_sync is not None and self._record_now(
+                "all_reduce", group.group_name, seq, bound["self"], extra
+            ):
                 self.functional_recorded += 1
             else:
                 self._note_python(group.group_name, seq)
@@ -206,8 +221,10 @@ class CollectiveTap:
             if dtype is None:
                 return False  # the publisher will record it from the Flight Recorder
             sizes = [list(tensor.shape)]
-            known = (protocol.signature(op, sizes, [dtype], sizes, [dtype], extra),
-                     protocol.describe(op, sizes, [dtype], extra))
+            known = (
+                protocol.signature(op, sizes, [dtype], sizes, [dtype], extra),
+                protocol.describe(op, sizes, [dtype], extra),
+            )
             if len(self._described) < _MAX_DESCRIBED:
                 self._described[key] = known
         self.record_sync(pg_name, seq, op, known[0], known[1])
@@ -225,9 +242,11 @@ class CollectiveTap:
         plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = tuple(p.name for p in params if p.kind in plain)
         if sig is None or any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+
             def bind(args, kwargs):
                 return sig.bind_partial(*args, **kwargs).arguments
         else:
+
             def bind(args, kwargs):
                 if len(args) > len(names):
                     raise TypeError(f"too many positional arguments ({len(args)})")
@@ -235,6 +254,7 @@ class CollectiveTap:
                 if kwargs:
                     out.update(kwargs)
                 return out
+
         self._binders[fn] = bind
         return bind
 

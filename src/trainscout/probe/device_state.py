@@ -132,11 +132,11 @@ def small_range_fingerprint(t, start: int, end: int) -> int:
     n_full = len(data) // 4
     sum_a = sum_b = 0
     for k in range(n_full):
-        w = int.from_bytes(data[4 * k:4 * k + 4], "little")
+        w = int.from_bytes(data[4 * k : 4 * k + 4], "little")
         sum_a += cpu.lane_a(w, base + k)
         sum_b += cpu.lane_b(w, base + k)
     if len(data) % 4:
-        w = cpu.tail_word(data[4 * n_full:])
+        w = cpu.tail_word(data[4 * n_full :])
         sum_a += cpu.lane_a(w, base + n_full)
         sum_b += cpu.lane_b(w, base + n_full)
     return cpu.finalize(sum_a, sum_b, len(data))

@@ -144,8 +144,11 @@ class GatherCheck:
             return 0
         unit.checks += 1
         if unit.params is None:
-            unit.params = [(sub, pname, f"{unit.label}.{full}") for full, sub, pname in _own_parameters(m)
-                           if sub._parameters[pname] is not None]
+            unit.params = [
+                (sub, pname, f"{unit.label}.{full}")
+                for full, sub, pname in _own_parameters(m)
+                if sub._parameters[pname] is not None
+            ]
         params, tids = [], []
         for sub, pname, name in unit.params:
             p = sub._parameters.get(pname)
@@ -161,8 +164,9 @@ class GatherCheck:
                 if p.is_cuda:
                     continue
                 size = p.numel() * p.element_size()
-                self.append(STATE_PG_INDEX, tids[i], fingerprint(p.detach()), 0, time.time_ns(), step, "state",
-                            f"0:{size}")
+                self.append(
+                    STATE_PG_INDEX, tids[i], fingerprint(p.detach()), 0, time.time_ns(), step, "state", f"0:{size}"
+                )
                 self.checked_bytes += size
         if not cuda:
             return 0
@@ -223,8 +227,9 @@ class GatherCheck:
         n = 0
         for (step, meta), values in landed:
             for (tid, start, end), v in zip(meta, values):
-                self.append(STATE_PG_INDEX, tid, as_unsigned64(int(v)), start, time.time_ns(), step, "state",
-                            f"{start}:{end}")
+                self.append(
+                    STATE_PG_INDEX, tid, as_unsigned64(int(v)), start, time.time_ns(), step, "state", f"{start}:{end}"
+                )
                 n += 1
         self.published += n
         return n

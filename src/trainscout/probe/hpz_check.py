@@ -51,8 +51,9 @@ def chunk_ranges(numel: int, elem_size: int, partition_world: int, group_size: i
 
 
 class HpzCheck:
-    def __init__(self, append, get_step, register_tensor, period: int = 4, mode_of=lambda: "stall",
-                 on_error=None, tail: int = 2) -> None:
+    def __init__(
+        self, append, get_step, register_tensor, period: int = 4, mode_of=lambda: "stall", on_error=None, tail: int = 2
+    ) -> None:
         self.append = append
         self.get_step = get_step
         self.register_tensor = register_tensor  # name -> tensor id in the shared tensor table
@@ -114,12 +115,13 @@ class HpzCheck:
         if ds_id is None or not sub_module.training:
             return
         if step != self._order_step:  # first release of a new step
-            self._tail = set(self._order[-self.tail:]) if self.tail else set()
+            self._tail = set(self._order[-self.tail :]) if self.tail else set()
             self._order, self._order_step = [], step
         released = self._released.get(id(sub_module))
         if released is None:
             released = self._released[id(sub_module)] = any(
-                not getattr(p, "ds_persist", True) for p in sub_module.parameters(recurse=False))
+                not getattr(p, "ds_persist", True) for p in sub_module.parameters(recurse=False)
+            )
         if released:
             self._order.append(ds_id)
         if ds_id % self.period != step % self.period and ds_id not in self._tail:
@@ -192,8 +194,9 @@ class HpzCheck:
 
             wall = time.time_ns()
             for t, start, end, tid in items:
-                self.append(STATE_PG_INDEX, tid, fingerprint_range(t, start, end), start, wall, step, "state",
-                            f"{start}:{end}")
+                self.append(
+                    STATE_PG_INDEX, tid, fingerprint_range(t, start, end), start, wall, step, "state", f"{start}:{end}"
+                )
         self.checked += len(params)
         self.spent_s += time.perf_counter() - t0
 

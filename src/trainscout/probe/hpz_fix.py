@@ -165,11 +165,15 @@ class HpzFix:
         source = _source_through_decorators(real)
         why = None
         if not version_supported(version):
-            why = (f"DeepSpeed {version} is outside the versions whose layout was read "
-                   f"({'.'.join(map(str, TESTED[0]))} to before {'.'.join(map(str, TESTED[1]))})")
+            why = (
+                f"DeepSpeed {version} is outside the versions whose layout was read "
+                f"({'.'.join(map(str, TESTED[0]))} to before {'.'.join(map(str, TESTED[1]))})"
+            )
         elif "resolves_data_dependency" not in source or "synchronize" not in source:
-            why = (f"unknown DeepSpeed {version} layout: the secondary partition has no host stall behind "
-                   "resolves_data_dependency()")
+            why = (
+                f"unknown DeepSpeed {version} layout: the secondary partition has no host stall behind "
+                "resolves_data_dependency()"
+            )
         fix = self
 
         def _partition_param_sec(init, param, *args, **kwargs):
@@ -181,6 +185,7 @@ class HpzFix:
         self.state = "installed" if why is None else f"left-alone: {why}"
         real_convert = getattr(init_cls, "_convert_to_deepspeed_param", None)
         if why is None and real_convert is not None:
+
             def _convert_to_deepspeed_param(init, param, *args, **kwargs):
                 result = real_convert(init, param, *args, **kwargs)
                 gather = getattr(param, "all_gather_coalesced", None)
@@ -275,8 +280,11 @@ class HpzFix:
         self.applied += 1
         if not self._announced:
             self._announced = True
-            what = ("event-ordered secondary partition applied" if self.mode == "event" else
-                    "secondary-partition host stall REMOVED without ordering (TRAINSCOUT_HPZ_FIX=unsafe)")
+            what = (
+                "event-ordered secondary partition applied"
+                if self.mode == "event"
+                else "secondary-partition host stall REMOVED without ordering (TRAINSCOUT_HPZ_FIX=unsafe)"
+            )
             self.on_message(f"hpZ: {what} (DeepSpeed {getattr(self, 'version', '?')}, overlap_comm)")
         return result
 

@@ -53,8 +53,7 @@ class LinkProbe:
         """Publisher thread: pick up a request the agent wrote, if this rank is probed."""
         doc = requests.take(current_step, lambda text: self.on_error(f"link probe {text}"))
         if doc is not None and self.rank in [int(r) for r in doc.get("members", [])]:
-            self.request = {"id": int(doc["id"]), "step": int(doc["step"]),
-                            "members": [int(r) for r in doc["members"]]}
+            self.request = {"id": int(doc["id"]), "step": int(doc["step"]), "members": [int(r) for r in doc["members"]]}
 
     def due(self, step: int) -> bool:
         request = self.request
@@ -92,7 +91,7 @@ class LinkProbe:
             seconds[peer] = min(times)  # the best of a few: scheduling noise only ever adds time
         items = sorted(seconds.items())
         for i in range(0, max(len(items), 1), 8):  # a record's text holds ~10 partners
-            desc = ",".join(f"{peer}={int(s * 1e6)}" for peer, s in items[i:i + 8])
+            desc = ",".join(f"{peer}={int(s * 1e6)}" for peer, s in items[i : i + 8])
             self.append(STEP_PG_INDEX, request["id"], 0, 0, time.time_ns(), step, "link", desc)
         self.spent_s += time.perf_counter() - t_start
         self.count += 1

@@ -116,14 +116,21 @@ class LocalEvidence:
             norms = np.zeros(0, dtype=np.float32)
         else:
             with np.errstate(invalid="ignore", over="ignore"):
-                per_layer = np.bincount(self._layer_index, weights=sumsq.astype(np.float64),
-                                        minlength=len(self.layers))
+                per_layer = np.bincount(self._layer_index, weights=sumsq.astype(np.float64), minlength=len(self.layers))
                 norms = np.sqrt(per_layer).astype(np.float32)
         bits, now = loss_bits(loss), time.time_ns()
         if not len(norms):
             self.append(EVIDENCE_PG_INDEX, step, bits, pack_header(0, 0, self.version), now, step, "evidence", b"")
         for part, start in enumerate(range(0, len(norms), NORMS_PER_RECORD)):
-            chunk = norms[start:start + NORMS_PER_RECORD]
-            self.append(EVIDENCE_PG_INDEX, step, bits, pack_header(part, len(chunk), self.version), now, step,
-                        "evidence", chunk.tobytes())
+            chunk = norms[start : start + NORMS_PER_RECORD]
+            self.append(
+                EVIDENCE_PG_INDEX,
+                step,
+                bits,
+                pack_header(part, len(chunk), self.version),
+                now,
+                step,
+                "evidence",
+                chunk.tobytes(),
+            )
         self.records += 1

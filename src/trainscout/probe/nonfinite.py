@@ -63,8 +63,7 @@ MAX_STRIDE = 64  # the CPU gradient test runs at least every 64 steps, whatever 
 
 
 class NonFiniteCheck:
-    def __init__(self, append, get_step, on_error=None, on_cpu=None, budget: float = 0.001,
-                 evidence=None) -> None:
+    def __init__(self, append, get_step, on_error=None, on_cpu=None, budget: float = 0.001, evidence=None) -> None:
         self.append = append
         # per-step numerical evidence (probe/local_evidence.py): with it, the CPU gradient pass runs every step
         # and measures each gradient's sum of squares, from which the non-finite test follows; on CUDA the
@@ -294,8 +293,9 @@ class NonFiniteCheck:
             # NaN/Inf anywhere makes the sum of all elements non-finite; only then is each gradient tested,
             # so a finite sum that overflowed names nothing.
             elif not self._cpu_finite(torch, grads):
-                bad = next((n for n, g in zip(self._cpu_names, grads)
-                            if g is not None and _holds_nonfinite(torch, g)), None)
+                bad = next(
+                    (n for n, g in zip(self._cpu_names, grads) if g is not None and _holds_nonfinite(torch, g)), None
+                )
                 if bad is not None:
                     self._report("grad", bad)
         except Exception:
@@ -331,8 +331,9 @@ class NonFiniteCheck:
         if self.budget >= 1 or self._wall_s <= 0:
             self.stride = 1
             return
-        self.stride = fit_stride(self.stride, _middle(self._cpu_costs), max(self.budget, 1e-6), self._wall_s,
-                                 MAX_STRIDE)
+        self.stride = fit_stride(
+            self.stride, _middle(self._cpu_costs), max(self.budget, 1e-6), self._wall_s, MAX_STRIDE
+        )
 
     def _cpu_finite(self, torch, grads: list) -> bool:
         """Whether every element of the CPU gradients is finite. One C++ call reads each gradient once (cold
@@ -509,7 +510,7 @@ class NonFiniteCheck:
             n = owner.size
             counts = values[:n]
             if self.evidence is not None and values.size > 2 * n:
-                sumsq = np.bincount(owner, weights=values[n:2 * n], minlength=len(names) + 1)  # float64
+                sumsq = np.bincount(owner, weights=values[n : 2 * n], minlength=len(names) + 1)  # float64
                 self._emit_evidence(step, names, float(values[2 * n]), sumsq[1:])
             if not counts.any():  # the usual case: one reduction, nothing else
                 return
@@ -595,7 +596,7 @@ def _flat_buffer(torch, params: list):
     flat = torch.empty(total, dtype=params[0].dtype)
     views, offset = [], 0
     for p in params:
-        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
         offset += p.numel()
     return flat, views
 

@@ -127,8 +127,7 @@ def usable(tensors) -> bool:
     if not HAVE_TRITON or not tensors:
         return False
     device = tensors[0].device
-    return device.type == "cuda" and all(
-        t.device == device and t.dtype in _BITS and t.is_contiguous() for t in tensors)
+    return device.type == "cuda" and all(t.device == device and t.dtype in _BITS and t.is_contiguous() for t in tensors)
 
 
 class Layout:
@@ -165,8 +164,9 @@ class Layout:
                 host = host.pin_memory()
             host_tables.append(host)  # kept until the copy below has surely run (see `ready`)
             device_table = host.to(self.device, non_blocking=True)
-            self.groups.append((dtype, np.asarray(idx, dtype=np.int64), device_table, len(owners) - len(items),
-                                len(items), table_pos))
+            self.groups.append(
+                (dtype, np.asarray(idx, dtype=np.int64), device_table, len(owners) - len(items), len(items), table_pos)
+            )
             table_pos += len(idx)
         self._host_tables = host_tables
         self.table_len = table_pos  # entries of the per-slot offset table
@@ -193,6 +193,7 @@ class _Table:
         self.ref = self.device.data_ptr()
         self.ptrs: list[int] = []  # the addresses the table holds now (usually the same every step)
         self.units: list[int] = []  # per group: UNIT of its offsets
+
 
 _compiled: dict[tuple, object] = {}
 _direct_ok = [True]
@@ -223,7 +224,7 @@ def enqueue(layout: Layout, ptrs: list[int], out: torch.Tensor, slot) -> None:
                 unit, toff = 1, r // esize
             else:
                 unit, toff = ALIGN // esize, r // ALIGN
-            table.host_np[pos:pos + len(idx)] = toff
+            table.host_np[pos : pos + len(idx)] = toff
             units.append(unit)
         table.device.copy_(table.host, non_blocking=True)
         table.ptrs, table.units = ptrs, units
@@ -239,15 +240,36 @@ def enqueue(layout: Layout, ptrs: list[int], out: torch.Tensor, slot) -> None:
             if stream is None:  # the raw handle of torch's current stream, as Triton's own launch path reads it
                 stream = triton.runtime.driver.active.get_current_stream(layout.device.index)
             try:
-                kernel[(n_items, 1, 1)](table.ref, table.ref + 8 * pos, items.data_ptr(), base + 4 * out_first,
-                                        base + 4 * (n_out + out_first), value_at, exp, kind, unit, BLOCK,
-                                        with_value, stream=stream)
+                kernel[(n_items, 1, 1)](
+                    table.ref,
+                    table.ref + 8 * pos,
+                    items.data_ptr(),
+                    base + 4 * out_first,
+                    base + 4 * (n_out + out_first),
+                    value_at,
+                    exp,
+                    kind,
+                    unit,
+                    BLOCK,
+                    with_value,
+                    stream=stream,
+                )
                 continue
             except Exception:  # Triton's internals moved: the generic launch from now on
                 _direct_ok[0] = False
         compiled = _check_kernel[(n_items,)](
-            table.device.view(int_dtype), table.device[pos:], items, out[out_first:], out[n_out + out_first:],
-            out[2 * n_out:], EXP=exp, KIND=kind, UNIT=unit, BLOCK=BLOCK, WITH_VALUE=with_value,
-            num_warps=NUM_WARPS)
+            table.device.view(int_dtype),
+            table.device[pos:],
+            items,
+            out[out_first:],
+            out[n_out + out_first :],
+            out[2 * n_out :],
+            EXP=exp,
+            KIND=kind,
+            UNIT=unit,
+            BLOCK=BLOCK,
+            WITH_VALUE=with_value,
+            num_warps=NUM_WARPS,
+        )
         if not _interpreting():
             _compiled[key] = compiled

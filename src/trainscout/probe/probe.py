@@ -37,8 +37,16 @@ _probe = None
 
 
 class Probe:
-    def __init__(self, run_id: str, rank: int, local_rank: int, world_size: int,
-                 settings: config.Config | None = None, run_dir: str | None = None, inject: str = "") -> None:
+    def __init__(
+        self,
+        run_id: str,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        settings: config.Config | None = None,
+        run_dir: str | None = None,
+        inject: str = "",
+    ) -> None:
         cfg = settings or config.Config()
         checks = cfg.checks
         self.run_dir = run_dir
@@ -51,14 +59,21 @@ class Probe:
         self.writer = ChannelWriter(run_id, rank, local_rank, world_size)
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
-        self.publisher = Publisher(self.writer, run_id, rank, self.tap, lambda: self.step,
-                                   tick_s=cfg.probe.tick_s,
-                                   buffer_entries=_env_number("TORCH_FR_BUFFER_SIZE", 256))
+        self.publisher = Publisher(
+            self.writer,
+            run_id,
+            rank,
+            self.tap,
+            lambda: self.step,
+            tick_s=cfg.probe.tick_s,
+            buffer_entries=_env_number("TORCH_FR_BUFFER_SIZE", 256),
+        )
         self.tap.record_sync = self.publisher.record_sync
         self.state_check = None
         if checks.state.enabled:
-            self.state_check = StateCheck(run_id, rank, self.publisher.append_locked,
-                                          budget=checks.state.budget, period=checks.state.period)
+            self.state_check = StateCheck(
+                run_id, rank, self.publisher.append_locked, budget=checks.state.budget, period=checks.state.period
+            )
         self.timing = StepTiming(self.publisher.append_locked)
         self.timing.on_device = self.publisher.set_device
         self.timing.other_thread_s = lambda: self.publisher.busy_s if self.publisher is not None else 0.0
@@ -67,25 +82,36 @@ class Probe:
         if checks.nonfinite.enabled:
             if cfg.probe.evidence:
                 self.evidence = LocalEvidence(self.publisher.append_locked, run_id, rank)
-            self.nonfinite = NonFiniteCheck(self.publisher.append_locked, lambda: self.step, on_error=self._error,
-                                            on_cpu=self.timing.exclude_cpu,
-                                            budget=checks.nonfinite.budget,
-                                            evidence=self.evidence)
+            self.nonfinite = NonFiniteCheck(
+                self.publisher.append_locked,
+                lambda: self.step,
+                on_error=self._error,
+                on_cpu=self.timing.exclude_cpu,
+                budget=checks.nonfinite.budget,
+                evidence=self.evidence,
+            )
         self.gather_check = None
         if self.state_check is not None:
-            self.gather_check = GatherCheck(self.publisher.append_locked, lambda: self.step,
-                                            lambda name: self.state_check.register(name, _world_group_name()),
-                                            period=checks.gather.period)
+            self.gather_check = GatherCheck(
+                self.publisher.append_locked,
+                lambda: self.step,
+                lambda name: self.state_check.register(name, _world_group_name()),
+                period=checks.gather.period,
+            )
             if self.injector is not None:
                 self.gather_check.before_check = self.injector.on_gathered
         self.hpz_fix = None  # ZeRO++ hpZ: event-ordered secondary partition (probe/hpz_fix.py)
         self._hpz_fix_mode = checks.hpz.fix
         self.hpz_check = None
         if self.state_check is not None and checks.hpz.check:
-            self.hpz_check = HpzCheck(self.publisher.append_locked, lambda: self.step,
-                                      lambda name: self.state_check.register(name, None),
-                                      period=checks.hpz.period, mode_of=self._hpz_mode,
-                                      on_error=self._error)
+            self.hpz_check = HpzCheck(
+                self.publisher.append_locked,
+                lambda: self.step,
+                lambda name: self.state_check.register(name, None),
+                period=checks.hpz.period,
+                mode_of=self._hpz_mode,
+                on_error=self._error,
+            )
         self.param_names: dict[int, str] = {}
         self.model = None
         self.tap.on_wait = self.timing.add_wait
@@ -126,17 +152,23 @@ class Probe:
         h = hooks()
         h.on_import("torch.distributed.distributed_c10d", self._patch_c10d)
         h.on_import("torch.optim.optimizer", self._hook_optimizer)
-        h.on_import("torch.distributed._functional_collectives",
-                    self._guarded(self.tap.patch_functional, "functional collective tap"))
+        h.on_import(
+            "torch.distributed._functional_collectives",
+            self._guarded(self.tap.patch_functional, "functional collective tap"),
+        )
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
         if self.gather_check is not None:
-            h.on_import("torch.distributed.fsdp._fully_shard._fully_shard",
-                        self._guarded(self.gather_check.wrap, "all-gather check"))
+            h.on_import(
+                "torch.distributed.fsdp._fully_shard._fully_shard",
+                self._guarded(self.gather_check.wrap, "all-gather check"),
+            )
         h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
         h.on_import("torch.utils.data.dataloader", self._guarded(self.timing.wrap_dataloader, "data-loader timing"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
-        h.on_import("torch.distributed.checkpoint.state_dict_saver",
-                    self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"))
+        h.on_import(
+            "torch.distributed.checkpoint.state_dict_saver",
+            self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"),
+        )
         h.on_import("deepspeed.runtime.engine", self._guarded(self.checkpoints.wrap_deepspeed, "checkpoint hook"))
         try:
             self.hpz_fix = hpz_fix.install(h, self._hpz_fix_mode, on_message=self._error)
@@ -183,8 +215,12 @@ class Probe:
         doc = self._replay_requests.take(self.step, lambda text: self._error(f"on-command replay {text}"))
         if doc is not None:
             layers = [str(x) for x in doc.get("layers") or []] or [str(doc.get("layer") or "")]
-            self._replay_request = {"id": int(doc["id"]), "step": int(doc["step"]), "layers": layers,
-                                    "state": bool(doc.get("state"))}
+            self._replay_request = {
+                "id": int(doc["id"]),
+                "step": int(doc["step"]),
+                "layers": layers,
+                "state": bool(doc.get("state")),
+            }
 
     def costs(self) -> dict:
         """What the probe's own checks cost this rank (seconds on the training thread), for the run's summary."""
@@ -193,17 +229,30 @@ class Probe:
             out["functional_collectives_recorded"] = self.tap.functional_recorded
         sc = self.state_check
         if sc is not None:
-            out["state_check"] = {"seconds": sc.spent_s, "bytes": sc.checked_bytes, "stride": sc.stride,
-                                  "slots": len(sc._slots), "period_steps": sc.period_steps}
+            out["state_check"] = {
+                "seconds": sc.spent_s,
+                "bytes": sc.checked_bytes,
+                "stride": sc.stride,
+                "slots": len(sc._slots),
+                "period_steps": sc.period_steps,
+            }
         if self.replay is not None:
-            out["replay"] = {"seconds": self.replay.spent_s, "count": self.replay.count, "every": self.replay.every,
-                             "interval": self.replay.interval}
+            out["replay"] = {
+                "seconds": self.replay.spent_s,
+                "count": self.replay.count,
+                "every": self.replay.every,
+                "interval": self.replay.interval,
+            }
         if self.link_probe is not None and self.link_probe.count:
             out["link_probe"] = {"seconds": self.link_probe.spent_s, "count": self.link_probe.count}
         gc = self.gather_check
         if gc is not None and gc.modules:
-            out["gather_check"] = {"seconds": gc.spent_s, "setup_seconds": gc.setup_s, "stride": gc.stride,
-                                   "units": gc.modules}
+            out["gather_check"] = {
+                "seconds": gc.spent_s,
+                "setup_seconds": gc.setup_s,
+                "stride": gc.stride,
+                "units": gc.modules,
+            }
         if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
             out["nonfinite"] = {"seconds": self.nonfinite.spent_s, "setup_seconds": self.nonfinite.setup_s}
             if self.nonfinite.cpu_checks and self.evidence is None:  # CPU gradients: every `stride` steps (budget)
@@ -342,8 +391,11 @@ class Probe:
                 if probe.state_check is not None:
                     probe.state_check.learn_model(ddp.module, pg_name)
                 if probe.nonfinite is not None:
-                    probe.nonfinite.hook_params(ddp.module.parameters(), names,
-                                                bucket_views=bool(getattr(ddp, "gradient_as_bucket_view", False)))
+                    probe.nonfinite.hook_params(
+                        ddp.module.parameters(),
+                        names,
+                        bucket_views=bool(getattr(ddp, "gradient_as_bucket_view", False)),
+                    )
                 probe.model = ddp.module
                 probe._attach_replay(ddp)
             except Exception as exc:
@@ -433,8 +485,9 @@ class Probe:
             if self.step >= request["step"]:
                 self._replay_request = None
                 if self.step > request["step"]:  # read too late: the other replicas replayed without us
-                    self._error(f"on-command replay at step {request['step']} missed (request read at step "
-                                f"{self.step})")
+                    self._error(
+                        f"on-command replay at step {request['step']} missed (request read at step {self.step})"
+                    )
             elif self.replay is not None and len(request["layers"]) > 1:
                 self.replay.prepare_layers(request["layers"])
             elif self.replay is not None:
@@ -475,8 +528,15 @@ def start() -> Probe | None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ["TRAINSCOUT_PROBE_PID"] = str(os.getpid())
     settings, problems = config.from_environ()
-    _probe = Probe(run_id, rank, local_rank, world_size, settings, run_dir=os.environ.get("TRAINSCOUT_RUN_DIR"),
-                   inject=os.environ.get("TRAINSCOUT_INJECT", ""))
+    _probe = Probe(
+        run_id,
+        rank,
+        local_rank,
+        world_size,
+        settings,
+        run_dir=os.environ.get("TRAINSCOUT_RUN_DIR"),
+        inject=os.environ.get("TRAINSCOUT_INJECT", ""),
+    )
     for problem in problems:  # a hand-set value trainscout run did not check: its default serves
         _probe._error(problem)
     _probe.start()

@@ -11,6 +11,8 @@ import functools
 import hashlib
 
 # A collective record's flags (the ring's `rolling_hash` slot, which the agent fills in for itself):
+from trainscout.markers import NATIVE_HASH  # noqa: F401  (re-exported: what a native collective chains as)
+
 NATIVE = 1  # issued outside Python (DDP's C++ reducer, functional collectives, compiled code)
 DETAIL = 2  # the Flight Recorder's description of a NATIVE collective already placed in the ring
 
@@ -49,7 +51,6 @@ def entry_hash(sig: tuple) -> int:
 # What every member chains for a NATIVE collective, described or not: the probe describes those from
 # Flight Recorder reads that come at different moments on each rank, so only where they sit in the stream
 # is compared through the chain; their descriptions are compared record by record where members have them.
-from trainscout.markers import NATIVE_HASH  # noqa: E402  (shared with the detectors)
 
 
 def chain(previous: int, entry: int) -> int:

@@ -38,8 +38,16 @@ DESCRIBE_EVERY_S = 10.0  # native collectives are described at least this often 
 
 
 class Publisher(threading.Thread):
-    def __init__(self, writer: ChannelWriter, run_id: str, rank: int, tap, get_step,
-                 tick_s: float = 0.5, buffer_entries: int = 256) -> None:
+    def __init__(
+        self,
+        writer: ChannelWriter,
+        run_id: str,
+        rank: int,
+        tap,
+        get_step,
+        tick_s: float = 0.5,
+        buffer_entries: int = 256,
+    ) -> None:
         super().__init__(name="trainscout-probe", daemon=True)
         self.writer = writer
         self.run_id = run_id
@@ -117,8 +125,9 @@ class Publisher(threading.Thread):
         since = now - self._last_dump_ns
         entries = None
         # a group new to the recorder is named by its entries, read when it is new or has issued since
-        if any(pg_id not in self._pg_names and last != self._dumped_status.get(pg_id)
-               for pg_id, last in st.items()) and (force or not self._pg_names or since >= MAX_DUMP_GAP_S * 1e9):
+        if any(
+            pg_id not in self._pg_names and last != self._dumped_status.get(pg_id) for pg_id, last in st.items()
+        ) and (force or not self._pg_names or since >= MAX_DUMP_GAP_S * 1e9):
             entries = self._dump(st, now)
         self._place(st)
         awaiting = sum(map(len, self._awaiting.values()))
@@ -126,10 +135,14 @@ class Publisher(threading.Thread):
         if entries is None and (awaiting or undescribed):
             # every collective fills the recorder's buffer, whoever describes it (p2p entries too: per collective)
             issued = sum(max(0, seq - self._dumped_status.get(pg, 0)) for pg, seq in st.items())
-            due = (force or not moved  # stopped: a hang is reported with its latest collectives described
-                   or awaiting and (since >= MAX_DUMP_GAP_S * 1e9
-                                    or issued * self._records_per_collective >= self.buffer_entries // 2)
-                   or undescribed and since >= DESCRIBE_EVERY_S * 1e9)
+            due = (
+                force
+                or not moved  # stopped: a hang is reported with its latest collectives described
+                or awaiting
+                and (since >= MAX_DUMP_GAP_S * 1e9 or issued * self._records_per_collective >= self.buffer_entries // 2)
+                or undescribed
+                and since >= DESCRIBE_EVERY_S * 1e9
+            )
             if due and (moved or force or st != self._dumped_status):  # a stopped rank is read once
                 entries = self._dump(st, now)
                 if self._fresh and issued:
@@ -179,8 +192,7 @@ class Publisher(threading.Thread):
                     step = self.get_step()
                 self._natives.setdefault(pg_name, set()).add(seq)
                 with self.lock:
-                    self.writer.append(self._index_of(pg_name), seq, 0, protocol.NATIVE, time.time_ns(), step,
-                                       "", "")
+                    self.writer.append(self._index_of(pg_name), seq, 0, protocol.NATIVE, time.time_ns(), step, "", "")
                     self._collectives += 1
             self._placed[pg_name] = last
             with self.lock:
@@ -252,8 +264,9 @@ class Publisher(threading.Thread):
                 continue  # read before
             op = protocol.op_name(e["profiling_name"])
             extra = self.tap.pop_extra(pg_name, seq) if self.tap is not None else ""
-            sig = protocol.signature(op, e["input_sizes"], e["input_dtypes"], e["output_sizes"],
-                                     e["output_dtypes"], extra)
+            sig = protocol.signature(
+                op, e["input_sizes"], e["input_dtypes"], e["output_sizes"], e["output_dtypes"], extra
+            )
             h = protocol.entry_hash(sig)
             with self.lock:
                 synced = self._synced.pop((pg_name, seq), None)

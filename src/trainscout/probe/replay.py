@@ -94,6 +94,7 @@ class Replay:
         def hook(module, args):
             if len(args) == 1 and hasattr(args[0], "detach") and module.training:
                 self._captured[name] = args[0].detach()
+
         return hook
 
     def due(self, step: int) -> bool:
@@ -133,8 +134,9 @@ class Replay:
                 continue
             out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
             self.count += 1
-            self.append(REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay",
-                        f"{name}|{param_hash:016x}")
+            self.append(
+                REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
+            )
         self._captured = {}
         self.spent_s += time.perf_counter() - t0
 
@@ -168,8 +170,9 @@ class Replay:
         out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
         self.count += 1
         # the parameters' fingerprint tells a wrong computation from corrupted weights
-        self.append(REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay",
-                    f"{name}|{param_hash:016x}")
+        self.append(
+            REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
+        )
         self._last_s = time.perf_counter() - t0
         self.spent_s += self._last_s
         del torch
@@ -195,7 +198,11 @@ class Replay:
         shape = [int(v) for v in header[2 : 2 + int(header[0])]]
         dtype = getattr(torch, _DTYPES[int(header[1])])
         # the side group is gloo: the input travels through host memory, then goes where the layer is
-        buf = x.detach().to("cpu", copy=True).contiguous() if self.rank == self.source else torch.empty(shape, dtype=dtype)
+        buf = (
+            x.detach().to("cpu", copy=True).contiguous()
+            if self.rank == self.source
+            else torch.empty(shape, dtype=dtype)
+        )
         self._broadcast(buf, src=self.source, group=self.group)
         return buf, interval
 

@@ -29,8 +29,17 @@ _MAX_STRIDE = 1 << 12
 
 
 class StateCheck:
-    def __init__(self, run_id: str, rank: int, append, *, budget: float = 0.005, period: int = 0,
-                 min_chunk: int = 256 * 1024, initial_stride: int = 16) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        rank: int,
+        append,
+        *,
+        budget: float = 0.005,
+        period: int = 0,
+        min_chunk: int = 256 * 1024,
+        initial_stride: int = 16,
+    ) -> None:
         self.run_id = run_id
         self.rank = rank
         self.append = append  # (pg_index, seq, entry_hash, rolling, wall_ns, step, op, desc)
@@ -65,10 +74,17 @@ class StateCheck:
         return tid
 
     def _write_table(self) -> None:
-        doc = {"replica_group": self.replica_group, "tensors": [n for n, _ in self.table],
-               "groups": [g for _, g in self.table], "replay_layers": self.replay_layers,
-               "bytes": self._bytes, "slots": len(self._slots), "stride": self.stride,
-               "period_steps": self.period_steps, "budget": self.budget}
+        doc = {
+            "replica_group": self.replica_group,
+            "tensors": [n for n, _ in self.table],
+            "groups": [g for _, g in self.table],
+            "replay_layers": self.replay_layers,
+            "bytes": self._bytes,
+            "slots": len(self._slots),
+            "stride": self.stride,
+            "period_steps": self.period_steps,
+            "budget": self.budget,
+        }
         path = tensor_table_path(self.run_id, self.rank)
         with open(path + ".tmp", "w") as fh:
             json.dump(doc, fh)
@@ -95,8 +111,12 @@ class StateCheck:
         t0 = time.perf_counter()
         # Rebuilding the tensor list walks every parameter: do it only when the cheap signature moved
         # (optimizer state appears after the first step) or every 64 steps as a safety net.
-        quick = (len(optimizer.param_groups), sum(len(g["params"]) for g in optimizer.param_groups),
-                 len(optimizer.state), id(self._structure))
+        quick = (
+            len(optimizer.param_groups),
+            sum(len(g["params"]) for g in optimizer.param_groups),
+            len(optimizer.state),
+            id(self._structure),
+        )
         if quick != self._quick or step % 64 == 0:
             tensors = self._tensors(optimizer)
             structure = tuple((name, t.dtype, tuple(t.shape), t.data_ptr()) for name, t in tensors)
@@ -140,8 +160,16 @@ class StateCheck:
                 items, device_bytes = self._device.launch(self._slots, index, step)
                 spent += device_bytes
             for tid, t, start, end in items:
-                self.append(STATE_PG_INDEX, tid, fingerprint_range(t, start, end), start, time.time_ns(), step,
-                            "state", f"{start}:{end}")
+                self.append(
+                    STATE_PG_INDEX,
+                    tid,
+                    fingerprint_range(t, start, end),
+                    start,
+                    time.time_ns(),
+                    step,
+                    "state",
+                    f"{start}:{end}",
+                )
                 spent += end - start
         self.checked_bytes += spent
         self.spent_s += time.perf_counter() - t0
@@ -208,11 +236,11 @@ class StateCheck:
             size = lambda slot: sum(e - s for _, _, s, e in slot)  # noqa: E731
             while len(slots) > self.fixed_period:  # packing left remainders: merge the lightest neighbours
                 i = min(range(len(slots) - 1), key=lambda j: size(slots[j]) + size(slots[j + 1]))
-                slots[i:i + 2] = [slots[i] + slots[i + 1]]
+                slots[i : i + 2] = [slots[i] + slots[i + 1]]
             while len(slots) < self.fixed_period and any(len(s) > 1 for s in slots):
                 big = max(range(len(slots)), key=lambda i: len(slots[i]))  # spread to use the whole period
                 half = len(slots[big]) // 2
-                slots[big:big + 1] = [slots[big][:half], slots[big][half:]]
+                slots[big : big + 1] = [slots[big][:half], slots[big][half:]]
         elif len(slots) % 2 == 0 and slots:
             slots.append(slots[0])  # an odd count lets every power-of-two stride reach every slot
         self._slots = slots

@@ -171,12 +171,25 @@ class StepTiming:
         wall, cpu = time.perf_counter(), time.thread_time()
         compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s - self.probe_cpu_s)
         runq_us = self._runq_us()
-        fields = (step, int(compute_cpu * 1e9), int((wall - self._wall) * 1e9), int(self.data_s * 1e6),
-                  int(self.ckpt_s * 1e6), int(self.wait_s * 1e6), dict(self.pg_wait),
-                  int(self._host_to_backward_s * 1e6), runq_us, self._other_us())
+        fields = (
+            step,
+            int(compute_cpu * 1e9),
+            int((wall - self._wall) * 1e9),
+            int(self.data_s * 1e6),
+            int(self.ckpt_s * 1e6),
+            int(self.wait_s * 1e6),
+            dict(self.pg_wait),
+            int(self._host_to_backward_s * 1e6),
+            runq_us,
+            self._other_us(),
+        )
         pairs, self._coll_events = self._coll_events, []
-        if self._cuda is not None and self._ev_start is not None and self._ev_backward is not None \
-                and self._ev_pre is not None:
+        if (
+            self._cuda is not None
+            and self._ev_start is not None
+            and self._ev_backward is not None
+            and self._ev_pre is not None
+        ):
             self._gpu_pending.append((fields, self._ev_start, self._ev_backward, self._ev_pre, pairs))
         else:
             self._emit(fields, -1, -1)

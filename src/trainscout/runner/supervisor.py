@@ -87,13 +87,15 @@ class Supervisor:
         secret_hex = os.environ.get("TRAINSCOUT_SECRET")
         if not secret_hex:
             if not opts.serve_coordinator or opts.coordinator_addr:
-                raise SystemExit("trainscout: multi-node runs need the same secret on every node: "
-                                 "export TRAINSCOUT_SECRET=$(python -c 'import secrets;print(secrets.token_hex(32))')")
+                raise SystemExit(
+                    "trainscout: multi-node runs need the same secret on every node: "
+                    "export TRAINSCOUT_SECRET=$(python -c 'import secrets;print(secrets.token_hex(32))')"
+                )
             secret_hex = secrets.token_hex(32)
         try:
             self.secret = bytes.fromhex(secret_hex)
         except ValueError:
-            raise SystemExit("trainscout: TRAINSCOUT_SECRET must be hex (e.g. 64 hex digits)")
+            raise SystemExit("trainscout: TRAINSCOUT_SECRET must be hex (e.g. 64 hex digits)") from None
         if len(self.secret) < 16:
             raise SystemExit("trainscout: TRAINSCOUT_SECRET must be at least 16 bytes (32 hex digits)")
         self.secret_hex = secret_hex
@@ -119,10 +121,25 @@ class Supervisor:
         if self.opts.coordinator_addr:
             host, _, port = self.opts.coordinator_addr.rpartition(":")
             bind = f"tcp://{host or '0.0.0.0'}:{port}"
-        cmd = [sys.executable, "-m", "trainscout.coordinator", "--bind", bind, "--run-dir", self.run_dir,
-               "--hang-timeout", str(self.opts.hang_timeout_s), "--stall-timeout", str(self.opts.stall_timeout_s),
-               "--abort-on", ",".join(self.opts.abort_on), "--console", self.opts.console,
-               "--nice", str(self.opts.monitor_nice)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainscout.coordinator",
+            "--bind",
+            bind,
+            "--run-dir",
+            self.run_dir,
+            "--hang-timeout",
+            str(self.opts.hang_timeout_s),
+            "--stall-timeout",
+            str(self.opts.stall_timeout_s),
+            "--abort-on",
+            ",".join(self.opts.abort_on),
+            "--console",
+            self.opts.console,
+            "--nice",
+            str(self.opts.monitor_nice),
+        ]
         addr_file = os.path.join(self.run_dir, "coordinator.addr")
         if os.path.exists(addr_file):
             os.unlink(addr_file)
@@ -138,15 +155,29 @@ class Supervisor:
         raise SystemExit("trainscout: the coordinator did not start within 30 s")
 
     def _start_agent(self, address: str) -> None:
-        cmd = [sys.executable, "-m", "trainscout.agent", "--run-id", self.run_id, "--coordinator", address,
-               "--node-id", self.opts.node_id or os.uname().nodename, "--stack-method", self.opts.stack_method,
-               "--nice", str(self.opts.monitor_nice)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainscout.agent",
+            "--run-id",
+            self.run_id,
+            "--coordinator",
+            address,
+            "--node-id",
+            self.opts.node_id or os.uname().nodename,
+            "--stack-method",
+            self.opts.stack_method,
+            "--nice",
+            str(self.opts.monitor_nice),
+        ]
         self.agent = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
 
     def _launcher_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("TRAINSCOUT_SECRET", None)  # training code has no business holding the job secret
-        env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
         env["TRAINSCOUT_RUN_ID"] = self.run_id
         env["TRAINSCOUT_RUN_DIR"] = self.run_dir
         env["TRAINSCOUT_PKG_PATH"] = PKG_PARENT
@@ -181,12 +212,18 @@ class Supervisor:
         self.console.info(f"findings and report: {self.run_dir}")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.launcher = subprocess.Popen(self.opts.command, env=self._launcher_env(), start_new_session=True,
-                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                             errors="replace")
+            self.launcher = subprocess.Popen(
+                self.opts.command,
+                env=self._launcher_env(),
+                start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+            )
         except OSError as exc:
             self._shutdown_tools(None)
-            raise SystemExit(f"trainscout: cannot start {self.opts.command[0]!r}: {exc}")
+            raise SystemExit(f"trainscout: cannot start {self.opts.command[0]!r}: {exc}") from None
         pump = threading.Thread(target=self._pump, args=(self.launcher.stdout, sys.stdout), daemon=True)
         pump.start()
         code = self._wait_launcher()
@@ -214,8 +251,7 @@ class Supervisor:
         # Popen.wait(timeout) polls every few ms; a waiter thread blocks in waitpid instead, so the
         # supervisor wakes once a second to watch the tools and costs the training job nothing.
         done = threading.Event()
-        waiter = threading.Thread(target=lambda: (self.launcher.wait(), done.set()), daemon=True,
-                                  name="launcher-wait")
+        waiter = threading.Thread(target=lambda: (self.launcher.wait(), done.set()), daemon=True, name="launcher-wait")
         waiter.start()
         while not done.wait(1.0):
             self._watch_tools()
@@ -231,8 +267,10 @@ class Supervisor:
         for name, proc in (("coordinator", self.coordinator), ("agent", self.agent)):
             if proc is not None and proc.poll() is not None and name not in self._lost:
                 self._lost.add(name)
-                note = (f"monitoring was lost: the {name} exited (code {proc.returncode}) at "
-                        f"{time.strftime('%H:%M:%S')}; training continued unmonitored")
+                note = (
+                    f"monitoring was lost: the {name} exited (code {proc.returncode}) at "
+                    f"{time.strftime('%H:%M:%S')}; training continued unmonitored"
+                )
                 self.notes.append(note)
                 self.console.warn(note)
                 self.events.write("monitoring_lost", component=name, code=proc.returncode)
@@ -290,8 +328,16 @@ class Supervisor:
         topology = _topology_line(self.run_dir)
         if topology:
             notes.insert(0, topology)
-        write_summary(os.path.join(self.run_dir, "summary.md"), run_id=self.run_id, command=self.opts.command,
-                      exit_code=code, findings=findings, notes=notes, started=self.started, ended=time.time())
+        write_summary(
+            os.path.join(self.run_dir, "summary.md"),
+            run_id=self.run_id,
+            command=self.opts.command,
+            exit_code=code,
+            findings=findings,
+            notes=notes,
+            started=self.started,
+            ended=time.time(),
+        )
         n = len(findings)
         self.console.info(f"{n} finding{'s' if n != 1 else ''}; report: {os.path.join(self.run_dir, 'summary.md')}")
 

@@ -22,7 +22,7 @@ def _join(values: list) -> str:
 
 
 def headline(f: Finding) -> str:
-    """"HANG at step 812: rank 13 (...) never entered ..." — the line a person reads first."""
+    """ "HANG at step 812: rank 13 (...) never entered ..." — the line a person reads first."""
     where = f" at step {f.step}" if f.step is not None else ""
     return f"{f.kind.upper()}{where}: {f.summary}"
 

@@ -27,8 +27,9 @@ class EvidenceLog:
         self._layers: dict[int, list[str]] = {}
         self.lines = 0
 
-    def write(self, rank: int, steps: list[StepRecord], numerics: list[NumericRecord], layers: list[str],
-              ranks_known: int) -> None:
+    def write(
+        self, rank: int, steps: list[StepRecord], numerics: list[NumericRecord], layers: list[str], ranks_known: int
+    ) -> None:
         if ranks_known > self.max_ranks or not (steps or numerics):
             return
         line: dict = {"rank": rank}
@@ -72,9 +73,12 @@ def read(path: str | os.PathLike) -> dict:
             if "steps" in doc:
                 entry["steps"].extend(steps_type.decode(msgspec.json.encode(doc["steps"])))
             if "numerics" in doc:  # JSON has no NaN: msgspec wrote a non-finite loss or norm as null
-                entry["numerics"].extend(NumericRecord(step=int(row[0]), loss=_num(row[1]),
-                                                       norms=[_num(x) for x in row[2]] if len(row) > 2 else [])
-                                         for row in doc["numerics"])
+                entry["numerics"].extend(
+                    NumericRecord(
+                        step=int(row[0]), loss=_num(row[1]), norms=[_num(x) for x in row[2]] if len(row) > 2 else []
+                    )
+                    for row in doc["numerics"]
+                )
             if "layers" in doc:
                 entry["layers"] = list(doc["layers"])
     return out

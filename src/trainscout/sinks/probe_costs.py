@@ -11,8 +11,14 @@ import json
 import os
 import statistics
 
-CHECKS = ("state_check", "gather_check", "nonfinite", "replay", "link_probe",
-          "flight_recorder")  # the last: the probe thread's dumps
+CHECKS = (
+    "state_check",
+    "gather_check",
+    "nonfinite",
+    "replay",
+    "link_probe",
+    "flight_recorder",
+)  # the last: the probe thread's dumps
 _NAME = "probe-cost.rank{}.json"
 
 
@@ -48,8 +54,10 @@ def summary_line(run_dir: str) -> str:
     for check in CHECKS:
         ms, share = per_step(reports, check)
         if ms:
-            parts.append(f"{check.replace('_', ' ')} {statistics.median(ms):.3f} ms/step "
-                         f"({statistics.median(share):.2f} % of step time)")
+            parts.append(
+                f"{check.replace('_', ' ')} {statistics.median(ms):.3f} ms/step "
+                f"({statistics.median(share):.2f} % of step time)"
+            )
     periods = [r["state_check"]["period_steps"] for r in reports if "state_check" in r]
     if periods:
         parts.append(f"state coverage period {max(periods)} steps")

@@ -17,13 +17,16 @@ from trainscout.sinks.console import detail_lines, headline, sorted_stacks
 
 # One line per kind, shown only for kinds that appear in the report.
 KIND_MEANINGS = {
-    fk.HANG: "some ranks wait inside a collective that the named ranks never entered; the named ranks are stuck elsewhere (see their stacks).",
-    fk.DESYNC: "members of one process group issued different collectives at the same sequence number; the named ranks deviate from the majority.",
+    fk.HANG: "some ranks wait inside a collective that the named ranks never entered; the named ranks are stuck "
+    "elsewhere (see their stacks).",
+    fk.DESYNC: "members of one process group issued different collectives at the same sequence number; the named "
+    "ranks deviate from the majority.",
     fk.CRASH: "the named ranks died abnormally (exception or signal) while their peers were healthy.",
     fk.EARLY_EXIT: "the named ranks exited cleanly while their peers went on training.",
     fk.STALL: "the whole job stopped making progress and no single rank could be blamed.",
     fk.STRAGGLER: "the named ranks are persistently slower than their equivalent peers.",
-    fk.SDC: "the named ranks hold or compute values that differ from the majority of their replicas (silent data corruption).",
+    fk.SDC: "the named ranks hold or compute values that differ from the majority of their replicas (silent data "
+    "corruption).",
     fk.NONFINITE: "the named ranks were the first to produce NaN/Inf before it spread through a reduction.",
     fk.HEALTH: "a host or device health check failed on the named ranks.",
     fk.HPZ_RACE: "weights used in backward differ from those used in forward (ZeRO++ hpZ secondary-partition race).",
@@ -121,7 +124,11 @@ def render_summary(
     out += ["## How to read findings", ""]
     for kind in kinds:
         out.append(f"- **{kind}**: {KIND_MEANINGS.get(kind, 'see the trainscout documentation for this kind.')}")
-    out.append(f"- Status: {STATUS_NOTE}" if kinds else "- Each finding names a kind, a step, the culprit ranks and the evidence. " + STATUS_NOTE)
+    out.append(
+        f"- Status: {STATUS_NOTE}"
+        if kinds
+        else "- Each finding names a kind, a step, the culprit ranks and the evidence. " + STATUS_NOTE
+    )
     out.append("")
     return "\n".join(out)
 

@@ -76,7 +76,8 @@ class ReplayRecord(msgspec.Struct, array_like=True):
     params: int = 0  # combined fingerprint of the layer's parameters (equal on healthy replicas)
 
 
-from trainscout.markers import GPU_UNMEASURED  # noqa: E402  (a CUDA step whose GPU span was not read)
+# re-exported: a CUDA step whose GPU span was not read (StepRecord.gpu_s / gpu_wait_s)
+from trainscout.markers import GPU_UNMEASURED  # noqa: E402, F401
 
 
 class StepRecord(msgspec.Struct, array_like=True):
