@@ -18,9 +18,11 @@ findings (printed live, saved to runs/<run-id>/findings.jsonl and summary.md):
   crash       the named rank died first (exception, signal); later failures are listed as collateral
   early_exit  the named rank exited cleanly while its peers still had work
   stall       the whole job stopped at the same point for a long time; nobody to blame
-  straggler   the named rank is slow (compute, its link, data loading or checkpoint writes); peers wait
+  straggler   its peers wait for the named rank: blocked off the CPU (sleep, I/O, a lock), compute, data
+              loading, checkpoint writes, starved of a core, or its link; with the function its time goes to
   sdc         silent data corruption: a replica's weights, optimizer state, gathered parameters or a
-              recomputed layer differ from the other replicas'
+              recomputed layer differ from the other replicas', or its local loss or gradient norms leave
+              its replicas' (confirmed by replay: reproduced, or a transient)
   nonfinite   the first loss or local gradient that turned NaN/Inf, before a reduction spread it
   health      the same replica computed a layer wrong twice: its device is faulty
   hpz_race    ZeRO++ hpZ: a module ran backward with weights other than those of its forward

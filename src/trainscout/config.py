@@ -438,7 +438,7 @@ def _read_toml(path: str) -> dict[str, Any]:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+        import tomli as tomllib
     try:
         with open(path, "rb") as fh:
             doc = tomllib.load(fh)

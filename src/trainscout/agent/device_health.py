@@ -243,7 +243,8 @@ class DeviceSampler:
         return sorted(index for index, pids in self.pids_by_gpu().items() if pid in pids)
 
     def _read_gpu(self, gpu: _Gpu, now: float, xids: list[tuple[int, float]]) -> DeviceReading:
-        nvml, errors = self._nvml, []
+        nvml = self._nvml
+        errors: list[str] = []
         r = DeviceReading(
             index=gpu.index,
             uuid=gpu.uuid,

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from trainscout.agent import stacks
 from trainscout.agent.rank_view import RankView
@@ -22,6 +23,10 @@ from trainscout.process_priority import lower_priority
 from trainscout.channel.layout import link_probe_request_path, list_channels, replay_request_path, trust_path
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
+
+if TYPE_CHECKING:  # types only: NVML is loaded at the first digest with ranks
+    from trainscout.agent.device_health import DeviceSampler
+    from trainscout.wire.device import DeviceReading
 
 
 class Agent:
@@ -46,7 +51,7 @@ class Agent:
         self.number = 0
         self.stop = threading.Event()
         self._send_lock = threading.Lock()
-        self.devices = None  # DeviceSampler (NVML), made at the first digest with ranks
+        self.devices: DeviceSampler | None = None  # DeviceSampler (NVML), made at the first digest with ranks
 
     def send(self, msg) -> bool:
         with self._send_lock:  # zmq sockets are not thread-safe; stack threads send too
@@ -65,7 +70,7 @@ class Agent:
     def digest(self) -> NodeDigest:
         self.number += 1
         ranks = [s for s in (v.state() for v in self.views.values()) if s is not None]
-        devices = []
+        devices: list[DeviceReading] = []
         if self.devices is None and ranks:  # started once ranks exist: NVML costs a job without GPUs nothing
             from trainscout.agent.device_health import DeviceSampler
 

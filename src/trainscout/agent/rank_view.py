@@ -34,7 +34,9 @@ from trainscout.wire.messages import (
     StepRecord,
 )
 
-Record = namedtuple("Record", RECORD_DTYPE.names)  # one ring record, fields as Python values
+# one ring record, fields as Python values; the field names come from the (structured, so named) record dtype,
+# which mypy cannot read: it types a namedtuple only from a literal list of names
+Record = namedtuple("Record", RECORD_DTYPE.names)  # type: ignore[misc, arg-type]
 RECENT_IN_DIGEST = 4
 KEEP_RECORDS = 4096
 

@@ -24,13 +24,15 @@ from trainscout.channel.layout import (
 _LOCK = struct.Struct("<Q")
 _PAYLOAD = struct.Struct("<qqQQqq24s120s")  # pg_index .. desc, right after the lock
 _PAYLOAD_FIELDS = ("pg_index", "seq", "entry_hash", "rolling_hash", "wall_ns", "step", "op", "desc")
-assert RECORD_DTYPE.fields["lock"][1] == 0 and RECORD_DTYPE.itemsize == _LOCK.size + _PAYLOAD.size
-assert [RECORD_DTYPE.fields[f][1] for f in _PAYLOAD_FIELDS] == [8, 16, 24, 32, 40, 48, 56, 80]
+_RECORD_FIELDS, _HEADER_FIELDS = RECORD_DTYPE.fields, HEADER_DTYPE.fields
+assert _RECORD_FIELDS is not None and _HEADER_FIELDS is not None  # both are structured dtypes
+assert _RECORD_FIELDS["lock"][1] == 0 and RECORD_DTYPE.itemsize == _LOCK.size + _PAYLOAD.size
+assert [_RECORD_FIELDS[f][1] for f in _PAYLOAD_FIELDS] == [8, 16, 24, 32, 40, 48, 56, 80]
 # Header integers are stored the same way: one struct store (~0.2 us) where a numpy field assignment took ~1 us,
 # and the training thread sets several per step. Text fields go through numpy.
 _INT_FIELDS = {
     name: (offset, struct.Struct("<" + {"<i8": "q", "<u8": "Q"}[dt.str]))
-    for name, (dt, offset) in HEADER_DTYPE.fields.items()
+    for name, (dt, offset, *_) in _HEADER_FIELDS.items()
     if dt.str in ("<i8", "<u8")
 }
 

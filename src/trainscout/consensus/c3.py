@@ -34,7 +34,7 @@ class Verdict:
 
     status: str
     outliers: tuple[int, ...] = ()
-    majority_value: object | None = None
+    majority_value: Any = None  # one of the evidence's values (its own type), or None
     evidence: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

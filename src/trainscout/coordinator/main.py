@@ -263,6 +263,11 @@ class Coordinator:
             self.events.write("probe_error", rank=rank, error=err)
 
     # ---- detection ------------------------------------------------------------------------
+    def _node_lost(self, rank: int) -> bool:
+        """Whether the agent reporting this rank went silent (a rank of no known agent: no)."""
+        node = self.rank_node.get(rank)
+        return node is not None and bool(self.nodes.get(node, {}).get("lost"))
+
     def detect(self, now: float) -> None:
         if self.aborting:
             self._flush_due(now)
@@ -270,7 +275,7 @@ class Coordinator:
         self._watch_agents(now)  # first: a silent agent's ranks must not be judged in this very pass
         self._replay_on_command(now)
         # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
-        seen = {r: o for r, o in self.ranks.items() if not self.nodes.get(self.rank_node.get(r), {}).get("lost")}
+        seen = {r: o for r, o in self.ranks.items() if not self._node_lost(r)}
         findings, fetches = self.desync.update(seen)
         for f in findings:
             self.emit(f, now)
@@ -362,11 +367,12 @@ class Coordinator:
         findings = []
         for f in self.straggler.update(now, live):
             # a stall names where the training code waits: the call site the probe saw (slow loads, saves)
-            where = {"data_loading": "data", "checkpoint_write": "ckpt"}.get(f.evidence.get("type"))
-            for r in f.culprit_ranks if where else ():
-                site = self.ranks[r].state.io_sites.get(where) if r in self.ranks else None
-                if site:
-                    f.stacks[str(r)] = site
+            where = {"data_loading": "data", "checkpoint_write": "ckpt"}.get(f.evidence.get("type", ""))
+            if where:
+                for r in f.culprit_ranks:
+                    site = self.ranks[r].state.io_sites.get(where) if r in self.ranks else None
+                    if site:
+                        f.stacks[str(r)] = site
             if f.culprit_ranks and f.evidence.get("type") in PROFILED and self._start_profile(f, live, now):
                 continue  # emitted once the samples are in (_flush_due)
             findings.append(f)
@@ -449,6 +455,7 @@ class Coordinator:
                 for ident in self.nodes:
                     self.endpoint.send(ident, Command(kind="replay", request_id=rid, payload=payload))
                 pending = self.confirmations.current
+                assert pending is not None  # next_request started it
                 self.console.info(
                     f"numerical outlier on rank(s) {', '.join(map(str, sorted(pending.ranks)))}: "
                     f"confirming at step {step} (replay of {', '.join(pending.layers) or 'nothing'}, "
@@ -611,10 +618,10 @@ class Coordinator:
             if not pp.waiting or now >= pp.deadline:
                 del self.pending_profiles[rid]
                 self.emit(self._finish_profile(pp), now)
-        for rid, p in list(self.pending_fetch.items()):
-            if not p.waiting or now >= p.deadline:
+        for rid, pf in list(self.pending_fetch.items()):
+            if not pf.waiting or now >= pf.deadline:
                 del self.pending_fetch[rid]
-                f = self.desync.resolve(p.request, p.records)
+                f = self.desync.resolve(pf.request, pf.records)
                 if f is not None:
                     self.emit(f, now)
 
@@ -717,8 +724,8 @@ class Coordinator:
             p.deadline = now
         for pp in self.pending_profiles.values():
             pp.deadline = now
-        for p in self.pending_fetch.values():
-            p.deadline = now
+        for pf in self.pending_fetch.values():
+            pf.deadline = now
         self._flush_due(now)
         for f in self.confirmations.abandon():
             self.emit(f, now)

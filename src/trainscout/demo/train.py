@@ -137,7 +137,9 @@ def train(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     dataset = ArithmeticTokens(size=4096, seq=args.seq, vocab=args.vocab, seed=args.seed)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor]] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
+    )
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=0, drop_last=True)
 
     with contextlib.ExitStack() as stack:

@@ -198,10 +198,10 @@ def _difference(odd_rec: CollectiveRecord, usual_rec: CollectiveRecord) -> str:
 def _histories(ranks: dict[int, RankObs]):
     """(pg, members, {rank: {seq: rolling hash} or None if its chain is broken}, {rank: recent records})."""
     groups: dict[str, list[int]] = {}
-    for o in ranks.values():
-        for pg in o.state.pgs:
-            if pg.members and pg.name not in groups:
-                groups[pg.name] = pg.members
+    for obs in ranks.values():
+        for state in obs.state.pgs:
+            if state.members and state.name not in groups:
+                groups[state.name] = state.members
     for name, members in groups.items():
         known: dict[int, dict[int, int] | None] = {}
         records: dict[int, list[CollectiveRecord]] = {}

@@ -372,7 +372,7 @@ class DeviceHealthDetector:
         is hotter, draws more power or clocks differently for a reason that is not a fault."""
         kept = {}
         for g, ev in found.items():
-            peers = [util[p] for p in values if p != g and util.get(p) is not None]
+            peers = [u for p in values if p != g and (u := util.get(p)) is not None]
             own = util.get(g)
             if own is None or not peers:
                 continue
@@ -605,7 +605,8 @@ def summarize(readings: GpuSample | Sequence[GpuSample]) -> str:
 
 
 def _relative_summary(kind: str, g: str, ev: dict, n: int, window: list[GpuSample]) -> str:
-    v, med = ev.get("value"), ev.get("peers_median")
+    v: Any = ev.get("value")  # numbers, for the kinds this is called with
+    med: Any = ev.get("peers_median")
     if kind == SM_CLOCK_LOW:
         text = (
             f"SM clock {v:.0f} MHz, {100 * (1 - v / med):.0f} % below its peers' {med:.0f} MHz "

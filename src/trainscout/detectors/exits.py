@@ -10,10 +10,14 @@ losing their connection, the launcher's SIGTERM) and are listed as evidence, not
 from __future__ import annotations
 
 import signal as _signal
+from typing import TYPE_CHECKING
 
 from trainscout.config import RUN
 from trainscout.detectors.observations import RankObs, rank_list, who
 from trainscout.findings import CRASH, EARLY_EXIT, Finding
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import RankExit
 
 HANG_TIMEOUT_S = RUN.hang_timeout
 _COLLATERAL_TEXT = (
@@ -38,8 +42,22 @@ def _signame(sig: int | None) -> str:
         return f"signal {sig}"
 
 
-def is_abnormal(o: RankObs, launcher_codes: dict[int, int]) -> bool:
+def _exit(o: RankObs) -> RankExit:
+    """The exit record of a rank that has exited (the only ranks this module asks it of)."""
     e = o.state.exit
+    assert e is not None
+    return e
+
+
+def _exited_at(o: RankObs) -> float:
+    """When a rank that has exited was seen exiting (the only ranks this module asks it of)."""
+    at = o.exited_at()
+    assert at is not None
+    return at
+
+
+def is_abnormal(o: RankObs, launcher_codes: dict[int, int]) -> bool:
+    e = _exit(o)
     code = launcher_codes.get(o.rank)
     if code is not None and code != 0:
         return True
@@ -47,7 +65,7 @@ def is_abnormal(o: RankObs, launcher_codes: dict[int, int]) -> bool:
 
 
 def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
-    e = o.state.exit
+    e = _exit(o)
     if e.how == "signal" and e.signal in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
         return True  # the launcher tears the survivors down this way
     if launcher_codes.get(o.rank) in (-_signal.SIGTERM, -_signal.SIGINT):
@@ -67,7 +85,7 @@ class ExitDetector:
     ) -> list[Finding]:
         if self.done:
             return []
-        exited = sorted((o for o in ranks.values() if o.state.exit is not None), key=lambda o: o.exited_at())
+        exited = sorted((o for o in ranks.values() if o.state.exit is not None), key=_exited_at)
         if not exited:
             return []
         alive = [o for o in ranks.values() if o.state.alive]
@@ -81,15 +99,15 @@ class ExitDetector:
             return [self._early_finding(early, ranks, exited)]
         if not abnormal:
             return []
-        if not own and all(o.state.exit.how == "signal" for o in abnormal):
+        if not own and all(_exit(o).how == "signal" for o in abnormal):
             return []  # only teardown signals (Ctrl-C, the launcher stopping survivors): nobody to blame
         root_candidates = own or abnormal
-        root_at = root_candidates[0].exited_at()
+        root_at = _exited_at(root_candidates[0])
         waited = now - root_at
         settled = launcher_done or not alive
         if waited < (self.settle_s if settled else self.max_wait_s):
             return []
-        roots = [o for o in root_candidates if o.exited_at() - root_at <= 0.25 and not is_collateral(o, launcher_codes)]
+        roots = [o for o in root_candidates if _exited_at(o) - root_at <= 0.25 and not is_collateral(o, launcher_codes)]
         roots = roots or [root_candidates[0]]
         self.done = True
         finding = self._crash_finding(roots, exited, launcher_codes)
@@ -197,7 +215,7 @@ def _issued_more(peer: RankObs, gone: RankObs) -> bool:
 def _collateral(after: list[RankObs]) -> dict[str, str]:
     out = {}
     for o in after:
-        e = o.state.exit
+        e = _exit(o)
         label = (
             e.how + (f" {_signame(e.signal)}" if e.signal else "") + (f" code {e.code}" if e.code is not None else "")
         )

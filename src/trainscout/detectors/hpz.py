@@ -126,15 +126,15 @@ class HpzRaceDetector:
             primary = _strict_majority(fwd)
             if primary is None:
                 majority_ok = False
-            receivers: dict[int, list[int]] = {}  # owner -> receivers that got a different range
+            by_owner: dict[int, list[int]] = {}  # owner -> receivers that got a different range
             for rank, (digest, owner) in sorted(bwd.items()):
                 reference = primary if primary is not None else fwd.get(rank)
                 if reference is None:
                     continue  # this rank's forward value never came: nothing to compare with
                 self.compared += 1
                 if digest != reference:
-                    receivers.setdefault(owner, []).append(rank)
-            for owner, ranks in sorted(receivers.items()):
+                    by_owner.setdefault(owner, []).append(rank)
+            for owner, ranks in sorted(by_owner.items()):
                 bad.append((param, start, end, owner, ranks))
         if not bad:
             return None

@@ -27,6 +27,8 @@ class DelayDrill:
         self.how = params["how"]
         self.seconds = float(params["ms"]) / 1000.0
         self.schedule = StepSchedule(start, every=int(params["every"]))
+        self._layer_name: str
+        self._layer: Any  # the torch module whose forward is delayed; None for data delays
         self._layer_name, self._layer = ("", None) if self.how == "data" else find_layer(model, params["layer"])
         self._blocker: Any = None
         self._handle: Any = None
@@ -69,6 +71,7 @@ class DelayDrill:
             real = getattr(owner, "_next_data", None)
             if real is None:
                 continue
+            assert owner is not None  # real was found on it
 
             def delayed_fetch(iterator, *args, _real=real, **kwargs):
                 self._maybe_block()

@@ -157,7 +157,7 @@ def _input_tensor(call: _Call) -> tuple[str, Any]:
 
     param = _INPUT_TENSOR.get(call.name)
     tensor = call.get(param) if param else None
-    if not isinstance(tensor, torch.Tensor):
+    if not param or not isinstance(tensor, torch.Tensor):
         raise _NotApplicable(f"{call.name} has no input tensor to rewrite")
     return param, tensor
 
@@ -429,7 +429,8 @@ class FaultInjector:
             self._spin_gpu(params)
             return
         if kind == "corrupt" and params.get("target") == "gathered":
-            self._corrupt_gathered = dict(params)  # fired by on_gathered, inside the next checked forward
+            # fired by on_gathered, inside the next checked forward
+            self._corrupt_gathered: dict[str, Any] | None = dict(params)
             _log(f"rank {rank}: corrupt: the next checked all-gathered parameter will be corrupted")
             return
         if kind in ("corrupt", "nan", "perturb"):
@@ -499,17 +500,18 @@ class FaultInjector:
         delay = float(params["ms"]) / 1000.0
         # Slow the work itself (fetching a batch, serialising a checkpoint), below the entry points the
         # probe times, as a slow disk or loader would.
+        targets: list[tuple[Any, str]]  # (class or module, attribute)
         if kind == "dataslow":
-            from torch.utils.data import dataloader as module
+            from torch.utils.data import dataloader
 
             targets = [
-                (module._SingleProcessDataLoaderIter, "_next_data"),
-                (module._MultiProcessingDataLoaderIter, "_next_data"),
+                (dataloader._SingleProcessDataLoaderIter, "_next_data"),
+                (dataloader._MultiProcessingDataLoaderIter, "_next_data"),
             ]
         else:
-            import torch.serialization as module
+            import torch.serialization as serialization
 
-            targets = [(module, "_save"), (module, "_legacy_save")]
+            targets = [(serialization, "_save"), (serialization, "_legacy_save")]
         for owner, attr in targets:
             real = getattr(owner, attr, None)
             if real is None:

@@ -212,7 +212,7 @@ def _load_native() -> tuple[ModuleType | None, str]:
     """The C extension if it imports and speaks this module's interface, else None and why not. Importing
     it only loads a shared library built at install time: nothing is ever compiled here."""
     try:
-        from trainscout.fingerprint import _native
+        from trainscout.fingerprint import _native  # type: ignore[attr-defined]  # C extension, no stub
     except ImportError as exc:
         return None, f"native module not built ({exc})"
     except Exception as exc:  # noqa: BLE001 - a broken build must cost speed only, never the job

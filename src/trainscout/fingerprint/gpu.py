@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -259,7 +260,7 @@ def _launches(n_words: int, word_base: int) -> list[tuple[int, int]]:
 
 
 _scratch: dict[tuple[str, int, int], torch.Tensor] = {}
-_compiled: dict[tuple, object] = {}
+_compiled: dict[tuple, Any] = {}  # compiled Triton kernels
 _direct_ok = [True]
 
 
@@ -460,6 +461,7 @@ class PreparedRanges:
         w_addr = base + start
         if n_words and w_addr % 4:
             return None
+        assert self.device is not None  # compile() and enqueue() return first when there is no range
         return (
             self.device.type,
             self.device.index,
@@ -497,6 +499,7 @@ class PreparedRanges:
                 key = self._key(base, plan)
                 kernel = _compiled.get(key) if key is not None else None
             if kernel is not None:
+                assert plan is not None  # kernels are looked up for planned ranges only
                 start, n_words, grid, ints, constexprs = plan
                 w_addr = base + start
                 try:

@@ -16,7 +16,7 @@ import inspect
 import sys
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable
 
 from trainscout.probe import protocol
 
@@ -69,7 +69,7 @@ class CollectiveTap:
         self._broken = False
         self._functional_broken = False
         self.functional_recorded = 0  # functional all-reduces put on record before issue
-        self._c10d = None
+        self._c10d: Any = None  # torch.distributed.distributed_c10d, from patch()
         self.originals: dict[str, Callable] = {}
         self._sigs: dict[Callable, inspect.Signature | None] = {}
         self._binders: dict[Callable, Callable] = {}
@@ -227,6 +227,7 @@ class CollectiveTap:
             )
             if len(self._described) < _MAX_DESCRIBED:
                 self._described[key] = known
+        assert self.record_sync is not None  # both callers check
         self.record_sync(pg_name, seq, op, known[0], known[1])
         return True
 

@@ -36,7 +36,7 @@ class DeviceStateHashes:
         from trainscout.probe.device_results import DeviceResults
 
         self.results = DeviceResults(torch.int64, depth)
-        self._layout = None  # the StateCheck slot list the prepared launches belong to
+        self._layout: list | None = None  # the StateCheck slot list the prepared launches belong to
         self._prepared: dict[int, tuple[list, list, list]] = {}
         self.launched_bytes = 0
         self.published = 0

@@ -28,9 +28,14 @@ import atexit
 import functools
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from trainscout.probe.budget import fit_stride
 from trainscout.probe.state_check import STATE_PG_INDEX
+
+if TYPE_CHECKING:  # types only: the CUDA path is imported on first use
+    from trainscout.fingerprint.gpu import PreparedRanges
+    from trainscout.probe.device_results import DeviceResults
 
 _MAX_STRIDE = 1 << 10
 DEVICE_BYTES_PER_S = 1.0e12  # as the state check: H200 reads ~3.5 TB/s, a third of that is safe
@@ -50,7 +55,7 @@ class GatherCheck:
         self.setup_s = 0.0  # host time of first checks and checks that compiled a kernel
         self.checked_bytes = 0
         self.before_check = None  # fault injection point: (module, step) -> None, between gather and check
-        self._results = None  # DeviceResults(int64), made on the first CUDA check
+        self._results: DeviceResults | None = None  # DeviceResults(int64), made on the first CUDA check
         self._last = (0, 0.0)  # (step, perf_counter) when a pre-hook first saw that step
         self._wall_s = 0.0  # smoothed seconds per step
         self._step_cost = 0.0  # this step's cost so far (host seconds + charged device seconds)
@@ -182,7 +187,8 @@ class GatherCheck:
         key = tuple(tids)
         if unit.prepared is None or unit.prepared_key != key or unit.prepared.device != params[0].device:
             unit.prepared = gpu.PreparedRanges([(p.detach(), 0, p.numel() * p.element_size()) for p in params])
-            unit.prepared.items = [(None, s, e) for _, s, e in unit.prepared.items]  # keep no tensor alive
+            # keep no tensor alive (enqueue below is always given the tensors, so items' tensors are never read)
+            unit.prepared.items = [(None, s, e) for _, s, e in unit.prepared.items]  # type: ignore[misc]
             unit.prepared_key = key
             unit.meta = [(tid, 0, p.numel() * p.element_size()) for tid, p in zip(tids, params)]
         if self._results is None:
@@ -247,11 +253,11 @@ class _Unit:
     def __init__(self, index: int, label: str) -> None:
         self.index = index
         self.label = label
-        self.params = None  # [(submodule, parameter name, full name)]
+        self.params: list[tuple[Any, str, str]] | None = None  # [(submodule, parameter name, full name)]
         self.tids: dict[str, int] = {}
-        self.prepared = None
-        self.prepared_key = None
-        self.meta = None
+        self.prepared: PreparedRanges | None = None
+        self.prepared_key: tuple | None = None
+        self.meta: list[tuple[int, int, int]] | None = None
         self.checks = 0
         self.off = False
 

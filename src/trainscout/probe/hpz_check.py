@@ -22,9 +22,13 @@ training: on any internal error it turns itself off and says why.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from trainscout.detectors.hpz import record_name
 from trainscout.probe.state_check import STATE_PG_INDEX
+
+if TYPE_CHECKING:  # types only: the CUDA path is imported on first use
+    from trainscout.probe.device_results import DeviceResults
 
 
 def chunk_ranges(numel: int, elem_size: int, partition_world: int, group_size: int) -> list[tuple[int, int, int]]:
@@ -68,7 +72,7 @@ class HpzCheck:
         self._named_models: set[int] = set()
         self._owners: dict[int, list[int]] = {}  # id(group) -> global ranks in group order
         self._due_backward: set[tuple[int, int]] = set()  # (step, id(module)) checked in forward
-        self._results = None  # DeviceResults, made when a CUDA parameter shows up
+        self._results: DeviceResults | None = None  # made when a CUDA parameter shows up
         self._published_step = -1
         self._released: dict[int, bool] = {}  # id(module) -> it has own parameters that hpZ releases
         self._order: list[int] = []  # ds_ids of such modules in this step's forward, in release order

@@ -157,6 +157,7 @@ class HpzFix:
         if real is None:
             self._leave_alone("unknown DeepSpeed layout: no Init._partition_param_sec")
             return
+        assert init_cls is not None  # real was found on it
         try:
             version = metadata.version("deepspeed")
         except metadata.PackageNotFoundError:
@@ -211,7 +212,7 @@ class HpzFix:
                         event.wait()  # the current stream (the all-gather stream here) waits on the copy
             return gather(params, *args, **kwargs)
 
-        all_gather_coalesced.__wrapped__ = gather  # type: ignore[attr-defined]
+        all_gather_coalesced.__wrapped__ = gather
         return all_gather_coalesced
 
     # ---- the replacement for the stall ------------------------------------------------------

@@ -71,6 +71,7 @@ class LinkProbe:
         import torch.distributed as dist
 
         request, self.request = self.request, None
+        assert request is not None  # run only when due(): only this thread unsets it
         t_start = time.perf_counter()
         buf = torch.zeros(EXCHANGE_BYTES // 4, dtype=torch.float32)
         got = torch.empty_like(buf)

@@ -41,10 +41,15 @@ import math
 import operator
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trainscout.probe.budget import fit_stride
+
+if TYPE_CHECKING:  # types only: the CUDA path is imported on first use
+    from trainscout.probe.device_results import DeviceResults
+    from trainscout.probe.nonfinite_cuda import Layout
 
 NONFINITE_PG_INDEX = -2
 _MAX_REPORTS = 8
@@ -92,17 +97,19 @@ class NonFiniteCheck:
         self._wall_s = 0.0  # smoothed step wall time
         self.cpu_checks = 0
         self._fused_ok = True  # the fused finiteness test serves (see _cpu_finite); else the sums below
-        self._found, self._unit = None, None  # its flag and scale (made on first use)
-        self._flat, self._flat_views = None, []  # see _cpu_total
+        self._found: Any = None  # its flag and scale: tensors made on first use
+        self._unit: Any = None
+        self._flat: Any = None  # see _cpu_total
+        self._flat_views: list = []
         self._flat_params = -1  # how many CPU parameters the flat buffer was laid out for
         # CUDA path
         self._device_params: list = []
         self._device_names: list[str] = []
         self._device_ok = True
-        self._results = None  # DeviceResults(float32), made on first use
+        self._results: DeviceResults | None = None  # DeviceResults(float32), made on first use
         self._armed: tuple | None = None  # (step, loss) of the backward pass in progress
         self._bucket_norms: list = []  # (name, norm) from per-gradient hooks (bucket-view DDP only)
-        self._layout = None  # nonfinite_cuda.Layout of [loss] + gradients, made on first use
+        self._layout: Layout | None = None  # nonfinite_cuda.Layout of [loss] + gradients, made on first use
         self._counts_ok = True  # False once the counting kernel failed: the foreach-norm path from then on
         self.counts_error = ""
         self.device_checks = 0  # vectors submitted
@@ -217,9 +224,9 @@ class NonFiniteCheck:
 
             p.register_post_accumulate_grad_hook(hook)
         if self.evidence is not None:
-            names = self._hook_names + self._cpu_names or self._device_names + self._device_hook_names
-            self.evidence.set_params(names)
-            self._evidence_pos = {n: i for i, n in enumerate(names)}
+            order = self._hook_names + self._cpu_names or self._device_names + self._device_hook_names
+            self.evidence.set_params(order)
+            self._evidence_pos = {n: i for i, n in enumerate(order)}
             self._evidence_orders = {}
 
     def check_step(self, step_wall_s: float = 0.0) -> None:

@@ -31,6 +31,8 @@ Importing this module needs neither CUDA nor Triton; `usable()` says whether the
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -195,7 +197,7 @@ class _Table:
         self.units: list[int] = []  # per group: UNIT of its offsets
 
 
-_compiled: dict[tuple, object] = {}
+_compiled: dict[tuple, Any] = {}  # compiled Triton kernels
 _direct_ok = [True]
 
 

@@ -55,11 +55,11 @@ class Probe:
         self.rank = rank
         self.pid = os.getpid()
         self.step = 0
-        self._primary_optimizer = None
+        self._primary_optimizer: int | None = None  # id() of the optimizer whose steps count
         self.writer = ChannelWriter(run_id, rank, local_rank, world_size)
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
-        self.publisher = Publisher(
+        self.publisher: Publisher | None = Publisher(  # None in a forked child
             self.writer,
             run_id,
             rank,
@@ -100,7 +100,7 @@ class Probe:
             )
             if self.injector is not None:
                 self.gather_check.before_check = self.injector.on_gathered
-        self.hpz_fix = None  # ZeRO++ hpZ: event-ordered secondary partition (probe/hpz_fix.py)
+        self.hpz_fix: hpz_fix.HpzFix | None = None  # ZeRO++ hpZ: event-ordered secondary partition (probe/hpz_fix.py)
         self._hpz_fix_mode = checks.hpz.fix
         self.hpz_check = None
         if self.state_check is not None and checks.hpz.check:
@@ -177,6 +177,7 @@ class Probe:
         if self.hpz_check is not None:
             h.on_import("deepspeed.runtime.zero.parameter_offload", self._guarded(self.hpz_check.wrap, "hpZ check"))
         os.register_at_fork(after_in_child=self._forked_child)
+        assert self.publisher is not None  # unset only in a forked child (above), which never starts
         self.publisher.start()
         atexit.register(self._write_costs)
         atexit.register(self._final_flush)
@@ -466,16 +467,18 @@ class Probe:
                 self._error(f"replicated-state check disabled: {exc!r}")
         request = self._replay_request
         on_command = request is not None and request["step"] == self.step
-        if on_command and request["state"] and self.state_check is not None:
+        command = request if on_command else None  # the request, when it is for this step
+        if command is not None and command["state"] and self.state_check is not None:
             try:  # a confirmation: the whole replicated state at this step, on every replica
                 self.state_check.full_check(self.step)
             except Exception as exc:  # fail open
                 self._error(f"whole-state check failed: {exc!r}")
-        several = on_command and len(request["layers"]) > 1
+        layers = command["layers"] if command is not None else []
+        several = len(layers) > 1
         if self.replay is not None and (on_command or self.replay.due(self.step)):
             try:
                 if several:
-                    self.replay.run_layers(self.step, request["layers"])
+                    self.replay.run_layers(self.step, layers)
                 else:
                     self.replay.run(self.step, on_command=on_command, step_s=self.timing.last_wall_s)
             except Exception as exc:  # fail open
@@ -505,7 +508,10 @@ class Probe:
 def _world_group_name() -> str:
     import torch.distributed as dist
 
-    return dist.group.WORLD.group_name
+    world = dist.group.WORLD
+    if world is None:  # not initialised yet: fail as before, the caller's check stops (fail open)
+        raise RuntimeError("torch.distributed has no default process group")
+    return world.group_name
 
 
 def _env_number(name: str, default):

@@ -26,6 +26,7 @@ def op_name(profiling_name: str) -> str:
 
 
 def signature(op: str, in_sizes, in_dtypes, out_sizes, out_dtypes, extra: str = "") -> tuple:
+    core: tuple
     if op in _PER_RANK_INPUT:
         core = (op, _shape(in_sizes), tuple(in_dtypes))
     elif op in _PER_RANK_OUTPUT:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
 from trainscout.channel.layout import pg_table_path
 from trainscout.channel.writer import ChannelWriter
@@ -83,7 +84,7 @@ class Publisher(threading.Thread):
         self._collectives = 0
         self._mismatch = 0
         self._collectives_ok = True
-        self.on_tick = None  # extra work of the probe on this thread (e.g. reading requests)
+        self.on_tick: Callable[[], None] | None = None  # extra work of the probe on this thread (e.g. reading requests)
 
     def run(self) -> None:
         w = self.writer
@@ -277,9 +278,14 @@ class Publisher(threading.Thread):
                     continue
                 desc = protocol.describe(op, e["input_sizes"], e["input_dtypes"], extra)
                 if waited:
+                    assert awaiting is not None  # waited says so
                     awaiting.discard(seq)
                     flags = 0
                 else:
+                    if natives is None:
+                        # the wrapper's record left _synced (evicted) since the test above: fail as before, which
+                        # disables collective tracking (see _tick)
+                        raise RuntimeError(f"collective {pg_name}#{seq} is neither awaited, native nor synced")
                     natives.discard(seq)
                     flags = protocol.NATIVE | protocol.DETAIL
                 w.append(self._index_of(pg_name), seq, h, flags, int(e.get("time_created_ns") or 0), step, op, desc)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 REPLAY_PG_INDEX = -3
 MAX_STRETCH = 50  # a budgeted interval is at most this many times `every`
@@ -46,12 +48,12 @@ class Replay:
         self.rank = rank
         self.group = None  # side process group over the replicas
         self.source = 0  # global rank whose captured input is broadcast
-        self.layers: list[tuple[str, object]] = []
-        self._captured: dict[str, object] = {}
+        self.layers: list[tuple[str, Any]] = []  # (name, torch.nn.Module)
+        self._captured: dict[str, Any] = {}  # layer name -> its input (a tensor)
         self._handles: list = []
         self.count = 0
         self.spent_s = 0.0
-        self._broadcast = None
+        self._broadcast: Callable | None = None
         self._next_index = 0
 
     def attach(self, module, group, source: int, broadcast) -> None:
@@ -59,7 +61,7 @@ class Replay:
         import torch.nn as nn
 
         self.group, self.source, self._broadcast = group, source, broadcast
-        layers: list[tuple[str, object]] = []
+        layers: list[tuple[str, Any]] = []
         for name, child in module.named_children():
             if isinstance(child, (nn.ModuleList, nn.Sequential)):
                 layers.extend((f"{name}.{i}", c) for i, c in enumerate(child))
@@ -181,6 +183,8 @@ class Replay:
         """(the source's captured input or None, the source's next interval) on every replica."""
         import torch
 
+        broadcast = self._broadcast
+        assert broadcast is not None  # attach() set it with the layers, and only a rank with layers replays
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[_HEADER - 1] = interval
         x = self._captured.get(name)
@@ -191,19 +195,19 @@ class Replay:
                 header[0] = x.dim()
                 header[1] = _DTYPES.index(str(x.dtype).replace("torch.", ""))
                 header[2 : 2 + x.dim()] = torch.tensor(x.shape)
-        self._broadcast(header, src=self.source, group=self.group)
+        broadcast(header, src=self.source, group=self.group)
         interval = int(header[_HEADER - 1])
         if int(header[0]) < 0:
             return None, interval
         shape = [int(v) for v in header[2 : 2 + int(header[0])]]
         dtype = getattr(torch, _DTYPES[int(header[1])])
         # the side group is gloo: the input travels through host memory, then goes where the layer is
-        buf = (
-            x.detach().to("cpu", copy=True).contiguous()
-            if self.rank == self.source
-            else torch.empty(shape, dtype=dtype)
-        )
-        self._broadcast(buf, src=self.source, group=self.group)
+        if self.rank == self.source:
+            assert x is not None  # without an input the source sent -1 and returned above
+            buf = x.detach().to("cpu", copy=True).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype)
+        broadcast(buf, src=self.source, group=self.group)
         return buf, interval
 
     def _recompute(self, layer, x, step: int) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 from trainscout.channel.layout import tensor_table_path
 from trainscout.probe import device_state
@@ -51,7 +52,7 @@ class StateCheck:
         self.replica_group: str | None = None
         self._structure: tuple | None = None
         self._quick: tuple | None = None
-        self._slots: list[list[tuple[int, object, int, int]]] = []  # slot -> [(tensor id, tensor, start, end)]
+        self._slots: list[list[tuple[int, Any, int, int]]] = []  # slot -> [(tensor id, tensor, start, end)]
         self._cost_s = 0.0  # smoothed seconds per hashed step
         self._wall_s = 0.0  # smoothed seconds per training step
         self.spent_s = 0.0
@@ -60,7 +61,7 @@ class StateCheck:
         self.table: list[tuple[str, str | None]] = []  # tensor id -> (name, comparison group)
         self._ids: dict[str, int] = {}
         self._bytes = 0  # total bytes of the planned state
-        self._device = None  # the CUDA path (device_state.DeviceStateHashes), made when CUDA state shows up
+        self._device: device_state.DeviceStateHashes | None = None  # the CUDA path, made when CUDA state shows up
         self._params_of = None  # a module whose parameters alone are the replicated state (ZeRO-1/2)
         self.full_checks = 0  # whole-state checks asked for by the coordinator (confirmations)
 
@@ -198,7 +199,7 @@ class StateCheck:
         """Steps one full pass over the state takes at the current stride."""
         return self.stride * len(self._slots)
 
-    def _tensors(self, optimizer) -> list[tuple[str, object]]:
+    def _tensors(self, optimizer) -> list[tuple[str, Any]]:
         if self._params_of is not None:
             return [(name, _local(p.detach())) for name, p in self._params_of.named_parameters()]
         out = []
@@ -219,7 +220,7 @@ class StateCheck:
         chunk = max(self.fixed_period and 1 or self.min_chunk, -(-total // target))
         chunk = -(-chunk // _ALIGN) * _ALIGN
         # Pack byte ranges into slots of about `chunk` bytes; small tensors share a slot.
-        slots: list[list[tuple[int, object, int, int]]] = [[]]
+        slots: list[list[tuple[int, Any, int, int]]] = [[]]
         filled = 0
         for name, t in tensors:
             tid = self.register(name, self.replica_group)

@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from collections import deque
+from typing import Any, Callable
 
 from trainscout.wire.messages import GPU_UNMEASURED  # a CUDA step whose GPU span was not read
 
@@ -79,8 +80,9 @@ class StepTiming:
         self.append = append
         self._wall = time.perf_counter()
         self._cpu = time.thread_time()
-        self.on_device = None  # told the CUDA device's UUID once the loss is seen on one
-        self.other_thread_s = None  # () -> cumulative seconds the probe's own thread worked (GIL held)
+        self.on_device: Callable[[str], None] | None = None  # told the CUDA device's UUID once the loss is seen on one
+        # () -> cumulative seconds the probe's own thread worked (GIL held)
+        self.other_thread_s: Callable[[], float] | None = None
         self._other_last = 0.0
         self._runq: RunQueueClock | None = None  # opened on the training thread, at its first step
         self._runq_last: float | None = None
@@ -100,7 +102,7 @@ class StepTiming:
         self._site_at: dict[str, float] = {}
         # CUDA: events A (after the previous optimizer step), B (end of backward), C (optimizer pre-step)
         self._cuda = None
-        self._stream = None
+        self._stream: Any = None  # a torch.cuda.Stream
         self._ev_start = None
         self._ev_backward = None
         self._ev_pre = None
@@ -152,6 +154,7 @@ class StepTiming:
         taken out of this rank's compute."""
         runq0, event = begin
         if runq0 is not None:
+            assert self._runq is not None  # runq0 was read from it, and it is never unset
             now = self._runq.read()
             if now is not None:
                 self._runq_waiting += now - runq0
@@ -364,7 +367,7 @@ def _is_library(path: str) -> bool:
 
 def call_site(frame, depth: int = 3) -> str:
     """The innermost `depth` frames outside trainscout/torch/deepspeed: 'train.py:88 in train <- ...'."""
-    parts = []
+    parts: list[str] = []
     while frame is not None and len(parts) < depth:
         path = frame.f_code.co_filename
         if not _is_library(path):

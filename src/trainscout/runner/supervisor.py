@@ -250,15 +250,22 @@ class Supervisor:
     def _wait_launcher(self) -> int:
         # Popen.wait(timeout) polls every few ms; a waiter thread blocks in waitpid instead, so the
         # supervisor wakes once a second to watch the tools and costs the training job nothing.
+        launcher = self.launcher
+        assert launcher is not None  # run() starts it before waiting
         done = threading.Event()
-        waiter = threading.Thread(target=lambda: (self.launcher.wait(), done.set()), daemon=True, name="launcher-wait")
+
+        def wait() -> None:
+            launcher.wait()
+            done.set()
+
+        waiter = threading.Thread(target=wait, daemon=True, name="launcher-wait")
         waiter.start()
         while not done.wait(1.0):
             self._watch_tools()
-        code = self.launcher.wait()
+        code = launcher.wait()
         # the launcher is gone; anything it left behind in its process group goes too
         try:
-            os.killpg(self.launcher.pid, signal.SIGKILL)
+            os.killpg(launcher.pid, signal.SIGKILL)
         except OSError:
             pass
         return code

@@ -102,7 +102,7 @@ class ConsoleSink:
                     from rich.text import Text  # Text, not markup: summaries may contain "[...]"
 
                     for line, style in lines:
-                        self._console.print(Text(line, style=style or None))
+                        self._console.print(Text(line, style=style))  # "" is rich's "no style"
                 else:
                     self._stream.write("".join(line + "\n" for line, _ in lines))
                 self._stream.flush()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import BinaryIO
 
 import msgspec
 
@@ -23,7 +24,7 @@ class EvidenceLog:
     def __init__(self, path: str | os.PathLike, max_ranks: int = 256) -> None:
         self.path = os.fspath(path)
         self.max_ranks = max_ranks
-        self._file = None
+        self._file: BinaryIO | None = None
         self._layers: dict[int, list[str]] = {}
         self.lines = 0
 
