@@ -6,7 +6,7 @@ STAMP := $(VENV)/.trainscout-installed
 # same environment (no build isolation), with its compiled ops left out (they build on first use)
 DEEPSPEED := deepspeed==0.19.8
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-fast check clean
 
 $(STAMP): pyproject.toml Makefile setup.py src/trainscout/fingerprint/_native.c
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# unit tests only (~1 min): the loop while changing code; `make test` before stopping
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+# lint, format and types, as CI runs them before the tests
+check: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy src
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
