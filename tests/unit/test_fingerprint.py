@@ -301,3 +301,31 @@ def test_triton_kernel_under_the_interpreter_equals_cpu():
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "INTERPRETER OK" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "dtype,n", [(torch.float32, 1), (torch.float32, 1000), (torch.bfloat16, 16385), (torch.bool, 7), (torch.int8, 4099)]
+)
+def test_prepared_range_hasher_gives_fingerprint_range_values(dtype, n):
+    from trainscout.fingerprint.cpu import RangeHasher
+
+    t = (torch.randn(n) * 100).to(dtype)
+    nbytes = t.numel() * t.element_size()
+    for start, end in ((0, nbytes), (4 if nbytes >= 4 else 0, nbytes), (0, nbytes // 8 * 4)):
+        hasher = RangeHasher(t, start, end)
+        assert hasher() == fingerprint_range(t, start, end)
+    hasher = RangeHasher(t, 0, nbytes)
+    before = hasher()
+    t.view(torch.uint8)[-1] ^= 1  # it reads the live memory, not a copy made when it was prepared
+    assert hasher() == fingerprint_range(t, 0, nbytes) != before
+
+
+def test_prepared_range_hasher_never_reads_memory_its_tensor_gave_up():
+    from trainscout.fingerprint.cpu import RangeHasher
+
+    t = torch.randn(1000)
+    hasher = RangeHasher(t, 0, 4000)
+    t.untyped_storage().resize_(0)  # how FSDP frees a gathered parameter
+    assert hasher() is None
+    with pytest.raises(ValueError):
+        RangeHasher(torch.randn(4, 4).t(), 0, 64)  # not contiguous: the caller keeps the copying path

@@ -141,6 +141,7 @@ class Coordinator:
         self.launcher_codes: dict[int, int] = {}
         self.launcher_done = False
         self.emitted: set[tuple] = set()
+        self.numerically_named: set[int] = set()  # ranks named for sdc or nonfinite (later outliers follow)
         self.findings: list[Finding] = []
         self.pending_stacks: dict[int, PendingStacks] = {}
         self.pending_fetch: dict[int, PendingFetch] = {}
@@ -629,7 +630,14 @@ class Coordinator:
         key = finding.key()
         if key in self.emitted:
             return
+        if self._is_consequence(finding):
+            self.events.write(
+                "consequence", finding_kind=finding.kind, culprits=finding.culprit_ranks, summary=finding.summary
+            )
+            return
         self.emitted.add(key)
+        if finding.kind in ("sdc", "nonfinite"):
+            self.numerically_named.update(finding.culprit_ranks)
         if finding.kind in ROOT_KINDS:
             self.root_found = True
         wall = time.time()
@@ -642,6 +650,17 @@ class Coordinator:
         self.console.finding(finding)
         if finding.kind in self.abort_on and not self.aborting:
             self.abort(f"{finding.kind} found")
+
+    def _is_consequence(self, f: Finding) -> bool:
+        """A statistical outlier (loss, gradient norms) on a rank already named for corrupted numbers is what
+        that corruption does next, not a second fault: it goes to events.jsonl, not to the findings."""
+        check = str(f.evidence.get("check", ""))
+        return (
+            f.kind == "sdc"
+            and check.startswith("numeric_")
+            and bool(f.culprit_ranks)
+            and set(f.culprit_ranks) <= self.numerically_named
+        )
 
     def _fill_identity(self, f: Finding) -> None:
         obs = [self.ranks[r] for r in f.culprit_ranks if r in self.ranks]
