@@ -24,6 +24,7 @@ import argparse
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -139,7 +140,7 @@ def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
         out / f"{run_id}.out",
         env={"TRAINSCOUT_FAULT_LOG": str(fault_log)},
         timeout_s=args.timeout,
-        sampler=StopWhenFound(findings_path, expected),
+        sampler=None if args.run_to_end else StopWhenFound(findings_path, expected),
     )
     fired = [e for e in read_jsonl(fault_log) if e.get("rank") == RANK]
     findings = sorted(read_jsonl(findings_path), key=lambda f: f.get("confirmed", 0.0))
@@ -238,6 +239,17 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is stopped")
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default /tmp/...)")
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md (smoke tests)")
+    parser.add_argument(
+        "--run-to-end",
+        action="store_true",
+        help="let each run go to its last step (whole recordings for evidence_replay.py), not stop at the finding",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="start no run after this many minutes and record what was measured (0: no limit)",
+    )
     args = parser.parse_args()
     wanted = [w for w in args.cases.split(",") if w]
     cases = [
@@ -252,8 +264,12 @@ def main() -> int:
     out, info, up_before = begin(f"unscripted-{args.device}", args.out_dir)
     rows: list[dict] = []
     raw = out / "unscripted.jsonl"
+    stop_at = time.monotonic() + args.max_minutes * 60 if args.max_minutes > 0 else float("inf")
     for i in range(args.runs):
         for case in cases:
+            if time.monotonic() >= stop_at:
+                print(f"--max-minutes {args.max_minutes:g} reached: no further runs", flush=True)
+                break
             row = one_run(case, i, args, out)
             rows.append(row)
             with raw.open("a") as fh:
@@ -273,7 +289,8 @@ def main() -> int:
     body = [
         f"- load: before `{up_before}`; after `{up_after}`; 1-min load at run starts median "
         f"{fmt(median(loads))}, max {fmt(max(loads))}",
-        f"- {args.runs} runs per case, round-robin, device {args.device}, {args.nproc} ranks, fault on rank "
+        f"- {args.runs} runs per case (fewer where --max-minutes cut the campaign: see n), round-robin, "
+        f"device {args.device}, {args.nproc} ranks, fault on rank "
         f"{RANK} from step {ONSET}, 10 % / 2x of a {args.step_ms:g} ms step; seeds 0..{args.runs - 1}; run "
         "dirs under `<out-dir>`",
         "- latency in steps = the first correct finding's step - the fault's step; in seconds = its "

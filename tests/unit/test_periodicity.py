@@ -66,3 +66,10 @@ def test_one_missed_and_one_stray_spike_leave_the_period(period, start, n, data)
         spikes.append(progression[slot] + data.draw(st.sampled_from(offsets)))
     found = regular_period(spikes, 5)
     assert found is not None and found.period == period, (spikes, found)
+
+
+def test_exact_allows_no_step_of_slack():
+    late = [100, 110, 121, 130, 140, 150]
+    assert regular_period(late, 5).period == 10
+    assert regular_period(late, 6, exact=True) is None
+    assert regular_period([100, 106, 112, 124, 130, 136], 6, exact=True).period == 6

@@ -25,18 +25,20 @@ class Period:
     slots: int  # slots of the progression from its first hit to its last
 
 
-def regular_period(spikes: Iterable[int], min_hits: int) -> Period | None:
+def regular_period(spikes: Iterable[int], min_hits: int, exact: bool = False) -> Period | None:
     """Of the progressions (period >= MIN_PERIOD) with at least `min_hits` spikes on distinct slots, that
     fill SLOT_SHARE of their slots and hold SPIKE_SHARE of the spikes over their span, the one with the
     most hits net of empty slots (half the period gains stray spikes but leaves about half its slots empty;
-    twice the period has half the hits); the shorter period wins a tie. None if there is none."""
+    twice the period has half the hits); the shorter period wins a tie. None if there is none. `exact`: no
+    step of slack (small spikes, which healthy ranks on a busy machine also show, count only when exactly
+    regular)."""
     recent = sorted(set(spikes))[-LOOKBACK:]
     best, best_score = None, None
     # any two neighbouring hits give the period; the anchor may be a hit whose next slot was missed
     periods = sorted({b - a for i, a in enumerate(recent) for b in recent[i + 1 :] if b - a >= MIN_PERIOD})
     for anchor in recent:
         for period in periods:
-            found = _progression(recent, anchor, period, min_hits)
+            found = _progression(recent, anchor, period, min_hits, exact)
             if found is None:
                 continue
             score = (2 * len(found.hits) - found.slots, -found.period)
@@ -45,8 +47,8 @@ def regular_period(spikes: Iterable[int], min_hits: int) -> Period | None:
     return best
 
 
-def _progression(spikes: list[int], anchor: int, period: int, min_hits: int) -> Period | None:
-    tolerance = period // 10  # a step boundary seen one step late (periods of 10 and more)
+def _progression(spikes: list[int], anchor: int, period: int, min_hits: int, exact: bool) -> Period | None:
+    tolerance = 0 if exact else period // 10  # a step boundary seen one step late (periods of 10 and more)
     slots: dict[int, int] = {}
     for s in spikes:
         if s < anchor:

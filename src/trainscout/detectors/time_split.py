@@ -13,7 +13,8 @@ judged by straggler.py; this module judges the other two, each against the same 
   scheduler rotates whom it delays, so only a large share held for long is named (a rank pinned to a core
   that other work shares).
 
-Per step, each rank's median over its last `window` steps is compared with the median of its peers'
+Per step, each rank's level over its last `window` steps (their median, or for the blocked part their
+second-smallest value: blocked in nearly every step) is compared with the median of its peers'
 (leave-one-out): the excess must be at least `abs_s` AND `rel` of the step's wall time AND `z` times the
 class's usual spread of those medians (median absolute deviation across ranks, over the last SPREAD_STEPS
 evaluations) AND stand clear of every other rank (two ranks slow together share a cause) AND its peers
@@ -22,7 +23,8 @@ part, whose healthy values are steady, this is not asked: a rank's wait swings b
 on a busy machine, which delayed a 4 ms straggler's verdict by 8 steps, and time blocked outside collectives
 on one rank is time its peers spend waiting for it). Persistence:
 flagged in `k` of the last `m` evaluations. Single steps far out (half a step's wall time, clear of the
-rest) at a regular interval, `intermittent_min` times, give an intermittent straggler with its period.
+rest) at a regular interval, `intermittent_min` times, give an intermittent straggler with its period;
+smaller ones count only at an exactly regular interval.
 Three or more ranks; two have no majority (straggler.py's arrival-order rule covers compute for them).
 
 Pure logic over plain step records: no torch, no I/O.
@@ -61,16 +63,23 @@ class Part:
     # smaller spikes (abs_s and rel, clear of the rest) at a regular interval, this many times (0: not judged):
     # a block of 10 % of a step every N steps stands out from healthy ranks' own spikes only by its regularity
     small_intermittent_min: int = 0
+    # a rank's level over its window: its median (-1), or its `low`-th smallest value (0: its least), so that
+    # only a part that is high in nearly every step of the window counts, not a burst that fills half of it
+    low: int = -1
 
 
+# Its level is the second-smallest of its last 6 steps, not their median: on a machine with more ranks than
+# cores, healthy ranks had bursts of 2-20 ms blocked in half the steps of a window for ~10 steps (5 of 35
+# clean runs named one), while a rank that blocks of its own accord does so in every step.
 BLOCKED = Part(
     "blocked",
-    window=5,
+    window=6,
+    low=1,
     abs_s=0.002,
     rel=0.04,
     z=6.0,
-    k=4,
-    m=5,
+    k=3,
+    m=4,
     spike_rel=0.5,
     spike_abs_s=0.02,
     intermittent_min=3,
@@ -180,7 +189,7 @@ class PartWatch:
             self._waits.setdefault(r, deque(maxlen=p.window)).append(recs[r].wait_s)
         # a usual step's wall time: the spike's own step is as long for every rank (they waited for it)
         out = self._spike(step, values, _median(self._walls))
-        windowed = {r: _median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
+        windowed = {r: _level(w, p.low) for r, w in self._windows.items() if r in values and len(w) == p.window}
         if len(windowed) < 3:
             return out
         centre = _median(windowed.values())
@@ -264,7 +273,7 @@ class PartWatch:
             if big:
                 found = regular_period(self._spikes[r], need)
             if found is None and p.small_intermittent_min:
-                found, need = regular_period(small, p.small_intermittent_min), p.small_intermittent_min
+                found, need = regular_period(small, p.small_intermittent_min, exact=True), p.small_intermittent_min
             if found is None:
                 continue
             self._reported.add((r, "intermittent"))
@@ -290,6 +299,10 @@ class PartWatch:
                 )
             )
         return out
+
+
+def _level(window, low: int) -> float:
+    return _median(window) if low < 0 else sorted(window)[low]
 
 
 def _median(values) -> float:
