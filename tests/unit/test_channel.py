@@ -55,3 +55,32 @@ def test_records_read_back_as_written_across_a_ring_wrap():
         reader.close()
         writer.close()
         os.unlink(writer.path)
+
+
+def test_every_probe_error_reaches_the_digest_in_order_and_a_burst_is_counted():
+    """A second error within one agent interval used to overwrite the first (one header slot)."""
+    from trainscout.agent.rank_view import MAX_ERRORS_PER_DIGEST, RankView
+    from trainscout.channel.layout import ERROR_PG_INDEX
+
+    run_id = f"chtest-{uuid.uuid4().hex[:8]}"
+    writer = ChannelWriter(run_id, 0, 0, 1)
+    view = RankView(run_id, 0, writer.path)
+    try:
+        writer.set("pid", os.getpid())
+        for i in range(3):
+            writer.append(ERROR_PG_INDEX, i + 1, 0, 0, 0, 5, "error", f"check {i} disabled: boom")
+        writer.set("error_text", b"check 2 disabled: boom")
+        view.refresh()
+        state = view.state()
+        assert state is not None
+        assert state.probe_errors == [f"check {i} disabled: boom" for i in range(3)]
+        for i in range(MAX_ERRORS_PER_DIGEST + 4):
+            writer.append(ERROR_PG_INDEX, 10 + i, 0, 0, 0, 6, "error", f"error {i}")
+        view.refresh()
+        state = view.state()
+        assert state is not None
+        assert state.probe_errors[:MAX_ERRORS_PER_DIGEST] == [f"error {i}" for i in range(MAX_ERRORS_PER_DIGEST)]
+        assert "4 more probe errors" in state.probe_errors[MAX_ERRORS_PER_DIGEST]
+    finally:
+        writer.close()
+        view.reader.close()

@@ -11,7 +11,13 @@ from itertools import islice
 import numpy as np
 import psutil
 
-from trainscout.channel.layout import RECORD_DTYPE, evidence_table_path, pg_table_path, tensor_table_path
+from trainscout.channel.layout import (
+    ERROR_PG_INDEX,
+    RECORD_DTYPE,
+    evidence_table_path,
+    pg_table_path,
+    tensor_table_path,
+)
 from trainscout.channel.reader import ChannelReader
 from trainscout.probe import protocol
 from trainscout.probe.local_evidence import EVIDENCE_PG_INDEX, NORMS_PER_RECORD, loss_from_bits, unpack_header
@@ -39,6 +45,7 @@ from trainscout.wire.messages import (
 Record = namedtuple("Record", RECORD_DTYPE.names)  # type: ignore[misc, arg-type]
 RECENT_IN_DIGEST = 4
 KEEP_RECORDS = 4096
+MAX_ERRORS_PER_DIGEST = 16  # a burst beyond this is counted, not listed
 
 
 GAP_GIVE_UP_S = 3.0
@@ -145,6 +152,8 @@ class RankView:
         self._links_out: list[LinkRecord] = []
         self.io_sites: dict[str, str] = {}
         self.nonfinite: list[NonFiniteEvent] = []
+        self._errors_out: list[str] = []  # probe errors since the last digest, in order
+        self._errors_dropped = 0
         self.numeric_layers: list[str] = []
         self.device = ""  # the accelerator the rank computes on, as its probe names it (a CUDA UUID)
         self._evidence_version = -1
@@ -212,6 +221,12 @@ class RankView:
                     params=int(params or "0", 16),
                 )
             )
+            return
+        if idx == ERROR_PG_INDEX:
+            if len(self._errors_out) < MAX_ERRORS_PER_DIGEST:
+                self._errors_out.append(rec.desc.decode(errors="replace"))
+            else:
+                self._errors_dropped += 1
             return
         if idx == NONFINITE_PG_INDEX:
             self.nonfinite.append(NonFiniteEvent(step=rec.step, what=rec.desc.decode(errors="replace")))
@@ -446,7 +461,13 @@ class RankView:
             )
             for t in self.pgs.values()
         ]
-        errors = [h["error_text"].decode(errors="replace")] if h["error_text"] else []
+        errors, self._errors_out = self._errors_out, []
+        if self._errors_dropped:
+            errors.append(f"{self._errors_dropped} more probe errors (not shown: too many at once)")
+            self._errors_dropped = 0
+        last = h["error_text"].decode(errors="replace")  # also errors written to the header only (publisher)
+        if last and last not in errors:
+            errors.append(last)  # the coordinator shows each (rank, error) once
         if int(h["sig_mismatch"]):
             errors.append(
                 "the Python collective path described a collective differently from the Flight "

@@ -17,6 +17,7 @@ import numpy as np
 MAGIC = 0x5453434F55540001  # "TSCOUT" + layout version 1
 RING_SLOTS = 4096
 DESC_BYTES = 120
+ERROR_PG_INDEX = -6  # ring records with this pg index are the probe's internal errors, in order
 TEXT_BYTES = 480
 SHM_DIR = "/dev/shm"
 

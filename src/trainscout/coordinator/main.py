@@ -142,6 +142,7 @@ class Coordinator:
         self.launcher_done = False
         self.emitted: set[tuple] = set()
         self.numerically_named: set[int] = set()  # ranks named for sdc or nonfinite (later outliers follow)
+        self._seen_errors: set[tuple[int, str]] = set()  # probe errors already shown (per coordinator)
         self.findings: list[Finding] = []
         self.pending_stacks: dict[int, PendingStacks] = {}
         self.pending_fetch: dict[int, PendingFetch] = {}
@@ -211,8 +212,6 @@ class Coordinator:
         elif isinstance(msg, Goodbye):
             node["gone"] = True
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
-
-    _seen_errors: set = set()
 
     def _take_devices(self, msg: NodeDigest, now: float) -> None:
         """The node's GPU readings: to the device-health detector, and which rank's process runs on which GPU."""

@@ -13,7 +13,13 @@ import signal
 import time
 
 from trainscout import config
-from trainscout.channel.layout import link_probe_request_path, replay_request_path, stack_path
+from trainscout.channel.layout import (
+    DESC_BYTES,
+    ERROR_PG_INDEX,
+    link_probe_request_path,
+    replay_request_path,
+    stack_path,
+)
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
 from trainscout.probe.checkpoints import CheckpointHooks
@@ -55,6 +61,7 @@ class Probe:
         self.rank = rank
         self.pid = os.getpid()
         self.step = 0
+        self.errors = 0  # internal errors so far (each sent to the agent in order)
         self._primary_optimizer: int | None = None  # id() of the optimizer whose steps count
         self.writer = ChannelWriter(run_id, rank, local_rank, world_size)
         self.injector = self._load_injector()
@@ -140,8 +147,16 @@ class Probe:
         return FaultInjector.from_env(self.rank, {"TRAINSCOUT_INJECT": self._inject})
 
     def _error(self, text: str) -> None:
+        """An internal error (the check it came from is then off): each one goes to the agent as a ring record,
+        in order, so that none overwrites another; the header keeps the last one for a reader of the header."""
         try:
+            self.errors += 1
             self.writer.set("error_text", text.encode(errors="replace")[:480])
+            publisher = getattr(self, "publisher", None)  # errors can come while the parts are being made
+            if publisher is not None:
+                publisher.append_locked(
+                    ERROR_PG_INDEX, self.errors, 0, 0, time.time_ns(), self.step, "error", text[:DESC_BYTES]
+                )
         except Exception:
             pass
 
