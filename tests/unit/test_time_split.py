@@ -88,3 +88,18 @@ def test_loosely_regular_small_spikes_are_not_an_intermittent_straggler():
     exactly regular interval makes small spikes a fault."""
     at = {139, 152, 194, 210, 223, 238, 251}
     assert _feed(range(1, 300), lambda r, s: 0.005 if r == 3 and s in at else 0.0) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_steady_rank_beside_peers_whose_blocked_time_scatters_both_ways_gives_nothing(seed):
+    """A rank pinned to a core with busy loops beside it: its peers' run-queue and wait readings overlap, and
+    their blocked time reads 3-10 ms below its usual in a third of their steps, while one healthy rank stays
+    steady. Its lowest steps are then
+    higher than theirs, but not higher than their usual: not a straggler."""
+    rng = random.Random(100 + seed)
+    scatter = {
+        (r, s): rng.uniform(-0.010, -0.003) if rng.random() < 0.35 else rng.uniform(-0.0003, 0.0003)
+        for r in WORLD
+        for s in range(1, 300)
+    }
+    assert _feed(range(1, 300), lambda r, s: 0.0 if r == 1 else scatter[(r, s)], seed=seed) == []

@@ -141,7 +141,7 @@ class Coordinator:
         self.launcher_codes: dict[int, int] = {}
         self.launcher_done = False
         self.emitted: set[tuple] = set()
-        self.numerically_named: set[int] = set()  # ranks named for sdc or nonfinite (later outliers follow)
+        self.numerically_named: dict[int, int] = {}  # rank -> step it was first named at for sdc or nonfinite
         self._seen_errors: set[tuple[int, str]] = set()  # probe errors already shown (per coordinator)
         self.findings: list[Finding] = []
         self.pending_stacks: dict[int, PendingStacks] = {}
@@ -636,7 +636,8 @@ class Coordinator:
             return
         self.emitted.add(key)
         if finding.kind in ("sdc", "nonfinite"):
-            self.numerically_named.update(finding.culprit_ranks)
+            for r in finding.culprit_ranks:
+                self.numerically_named.setdefault(r, finding.step or 0)
         if finding.kind in ROOT_KINDS:
             self.root_found = True
         wall = time.time()
@@ -651,14 +652,17 @@ class Coordinator:
             self.abort(f"{finding.kind} found")
 
     def _is_consequence(self, f: Finding) -> bool:
-        """A statistical outlier (loss, gradient norms) on a rank already named for corrupted numbers is what
-        that corruption does next, not a second fault: it goes to events.jsonl, not to the findings."""
+        """A statistical outlier (loss, gradient norms) that began after its rank was named for corrupted numbers
+        is what that corruption does next, not a second fault: it goes to events.jsonl, not to the findings.
+        One that began before (the outlier whose confirmation by replay was emitted first) is the earliest
+        sign of that fault and stays."""
         check = str(f.evidence.get("check", ""))
+        named = [self.numerically_named.get(r) for r in f.culprit_ranks]
         return (
             f.kind == "sdc"
             and check.startswith("numeric_")
-            and bool(f.culprit_ranks)
-            and set(f.culprit_ranks) <= self.numerically_named
+            and bool(named)
+            and all(n is not None and (f.step or 0) > n for n in named)
         )
 
     def _fill_identity(self, f: Finding) -> None:

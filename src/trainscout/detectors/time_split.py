@@ -14,7 +14,7 @@ judged by straggler.py; this module judges the other two, each against the same 
   that other work shares).
 
 Per step, each rank's level over its last `window` steps (their median, or for the blocked part their
-second-smallest value: blocked in nearly every step) is compared with the median of its peers'
+second-smallest value: blocked in nearly every step) is compared with the median of its peers' medians
 (leave-one-out): the excess must be at least `abs_s` AND `rel` of the step's wall time AND `z` times the
 class's usual spread of those medians (median absolute deviation across ranks, over the last SPREAD_STEPS
 evaluations) AND stand clear of every other rank (two ranks slow together share a cause) AND its peers
@@ -145,7 +145,10 @@ def blocked_s(rec) -> float | None:
         return None
     off = rec.wall_s - rec.wait_s - rec.cpu_s - rec.runq_s - rec.data_s - rec.ckpt_s
     # the probe's own thread held the GIL this long: the training thread's wait for it is trainscout's doing
-    return off - min(max(off, 0.0), rec.probe_thread_s)
+    off -= min(max(off, 0.0), rec.probe_thread_s)
+    # below zero is a reading error (a wait and a run-queue delay that overlap, counted twice): on a crowded
+    # machine ranks read -10 ms in some steps, and a steady healthy rank beside them would look high
+    return max(0.0, off)
 
 
 def data_s(rec) -> float | None:
@@ -189,7 +192,10 @@ class PartWatch:
             self._waits.setdefault(r, deque(maxlen=p.window)).append(recs[r].wait_s)
         # a usual step's wall time: the spike's own step is as long for every rank (they waited for it)
         out = self._spike(step, values, _median(self._walls))
-        windowed = {r: _level(w, p.low) for r, w in self._windows.items() if r in values and len(w) == p.window}
+        windowed = {r: _median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
+        # a suspect's own level may be a low order statistic (high in nearly every step); its peers' stays their
+        # median: a steady rank beside peers whose values scatter both ways is not higher than they are
+        own = {r: _level(self._windows[r], p.low) for r in windowed}
         if len(windowed) < 3:
             return out
         centre = _median(windowed.values())
@@ -200,7 +206,7 @@ class PartWatch:
             return out
         level = _median(self._walls)
         flagged = set()
-        for r, v in windowed.items():
+        for r, v in own.items():
             peers = sorted(x for q, x in windowed.items() if q != r)
             excess = v - _median(peers)
             if excess < max(p.abs_s, p.rel * level, p.z * max(sigma, 1e-4)):
@@ -215,7 +221,7 @@ class PartWatch:
             self.trace.append((step, sorted(flagged), {r: round(v * 1e3, 2) for r, v in windowed.items()}))
         for r in windowed:
             hist = self._flags.setdefault(r, deque(maxlen=p.m))
-            hist.append((step, r in flagged, windowed[r] - _median(x for q, x in windowed.items() if q != r)))
+            hist.append((step, r in flagged, own[r] - _median(x for q, x in windowed.items() if q != r)))
             f = self._persistent(r, hist, level)
             if f is not None:
                 out.append(f)
