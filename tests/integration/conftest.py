@@ -318,5 +318,13 @@ def run_under_trainscout(
     return run_job(args, tmp_path, run_id, timeout=timeout, env=env)
 
 
+def demo_with_fault(tmp_path: Path, name: str, inject: str, steps: int, *script_args: str) -> JobResult:
+    """The unmodified 4-rank demo script under `trainscout run --inject <inject>`."""
+    launch = torchrun_cmd(
+        "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", str(steps)
+    )
+    return run_under_trainscout(tmp_path, name, [*launch, *script_args], options=("--inject", inject))
+
+
 def of_kind(findings: list[dict], kind: str) -> list[dict]:
     return [f for f in findings if f["kind"] == kind]

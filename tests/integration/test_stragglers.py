@@ -8,31 +8,12 @@ communication stragglers must not be mistaken for each other.
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
-from conftest import free_port, run_under_trainscout
+from conftest import demo_with_fault
 
 pytestmark = pytest.mark.slow
-
-
-def _demo(tmp_path, name: str, inject: str, steps: int, *script_args: str):
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainscout.demo.train",
-        "--steps",
-        str(steps),
-        *script_args,
-    ]
-    return run_under_trainscout(tmp_path, name, launch, options=("--inject", inject))
 
 
 def _stragglers(result, kind: str) -> list[dict]:
@@ -40,7 +21,7 @@ def _stragglers(result, kind: str) -> list[dict]:
 
 
 def test_compute_straggler_is_named_with_its_slowdown_and_not_as_communication(tmp_path):
-    result = _demo(tmp_path, "compute", "straggle:rank=2:step=20:factor=0.3", 90)
+    result = demo_with_fault(tmp_path, "compute", "straggle:rank=2:step=20:factor=0.3", 90)
     assert result.returncode == 0, result.describe()
     (f,) = _stragglers(result, "compute")
     assert f["culprit_ranks"] == [2] and f["status"] == "attributed", result.describe()
@@ -53,7 +34,7 @@ def test_compute_straggler_is_named_with_its_slowdown_and_not_as_communication(t
 
 
 def test_communication_straggler_is_named_with_its_group_and_not_as_compute(tmp_path):
-    result = _demo(tmp_path, "comm", "commslow:rank=1:step=25:ms=20", 200)
+    result = demo_with_fault(tmp_path, "comm", "commslow:rank=1:step=25:ms=20", 200)
     assert result.returncode == 0, result.describe()
     (f,) = _stragglers(result, "communication")
     assert f["culprit_ranks"] == [1] and f["status"] == "attributed", result.describe()
@@ -69,7 +50,7 @@ def test_communication_straggler_is_named_with_its_group_and_not_as_compute(tmp_
 
 
 def test_data_loader_stall_is_named_with_the_training_code_that_waits(tmp_path):
-    result = _demo(tmp_path, "data", "dataslow:rank=3:step=10:ms=150", 40)
+    result = demo_with_fault(tmp_path, "data", "dataslow:rank=3:step=10:ms=150", 40)
     assert result.returncode == 0, result.describe()
     (f,) = _stragglers(result, "data_loading")
     assert f["culprit_ranks"] == [3], result.describe()
@@ -79,7 +60,7 @@ def test_data_loader_stall_is_named_with_the_training_code_that_waits(tmp_path):
 
 def test_checkpoint_write_stall_is_named_with_the_training_code_that_saves(tmp_path):
     ckpt = tmp_path / "ckpt"
-    result = _demo(
+    result = demo_with_fault(
         tmp_path, "ckpt", "ckptslow:rank=1:step=5:ms=300", 60, "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt)
     )
     assert result.returncode == 0, result.describe()
@@ -90,7 +71,7 @@ def test_checkpoint_write_stall_is_named_with_the_training_code_that_saves(tmp_p
 
 
 def test_intermittent_straggler_is_named_with_its_period(tmp_path):
-    result = _demo(tmp_path, "intermittent", "straggle:rank=1:step=10:factor=2:every=10", 90)
+    result = demo_with_fault(tmp_path, "intermittent", "straggle:rank=1:step=10:factor=2:every=10", 90)
     assert result.returncode == 0, result.describe()
     found = _stragglers(result, "compute")
     assert [f["culprit_ranks"] for f in found] == [[1]], result.describe()

@@ -11,26 +11,9 @@ import sys
 
 import pytest
 
-from conftest import free_port, run_under_trainscout
+from conftest import demo_with_fault
 
 pytestmark = pytest.mark.slow
-
-
-def _demo(tmp_path, name: str, inject: str, steps: int):
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainscout.demo.train",
-        "--steps",
-        str(steps),
-    ]
-    return run_under_trainscout(tmp_path, name, launch, options=("--inject", inject))
 
 
 def _blamed(result) -> set[int]:
@@ -38,7 +21,7 @@ def _blamed(result) -> set[int]:
 
 
 def test_a_rank_blocked_in_a_forward_is_named_with_the_function_that_blocks(tmp_path):
-    result = _demo(tmp_path, "blocked", "delay:rank=1:step=30:ms=15:how=read", 90)
+    result = demo_with_fault(tmp_path, "blocked", "delay:rank=1:step=30:ms=15:how=read", 90)
     assert result.returncode == 0, result.describe()
     (f,) = [f for f in result.findings if f["kind"] == "straggler" and f["evidence"].get("type") == "blocked"]
     assert f["culprit_ranks"] == [1] and f["status"] == "attributed", result.describe()
@@ -50,7 +33,7 @@ def test_a_rank_blocked_in_a_forward_is_named_with_the_function_that_blocks(tmp_
 
 
 def test_a_layer_computing_wrong_on_one_rank_is_named_and_confirmed_by_replay(tmp_path):
-    result = _demo(tmp_path, "outflip", "outflip:rank=2:step=40", 200)
+    result = demo_with_fault(tmp_path, "outflip", "outflip:rank=2:step=40", 200)
     assert result.returncode == 0, result.describe()
     numeric = [
         f for f in result.findings if f["kind"] == "sdc" and f["evidence"].get("check", "").startswith("numeric")
@@ -66,7 +49,7 @@ def test_a_layer_computing_wrong_on_one_rank_is_named_and_confirmed_by_replay(tm
 
 
 def test_one_step_of_gradient_noise_is_named_as_a_transient(tmp_path):
-    result = _demo(tmp_path, "gradnoise", "gradnoise:rank=3:step=40:layer=blocks.1", 150)
+    result = demo_with_fault(tmp_path, "gradnoise", "gradnoise:rank=3:step=40:layer=blocks.1", 150)
     assert result.returncode == 0, result.describe()
     (f,) = result.findings
     assert (f["kind"], f["culprit_ranks"], f["step"]) == ("sdc", [3], 41), result.describe()
