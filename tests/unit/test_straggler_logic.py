@@ -352,3 +352,11 @@ def test_a_non_finite_timing_is_left_out_not_fatal():
     nan_at = lambda r, s: float("nan") if (r, s) == (2, 30) else 0.02  # noqa: E731
     assert _feed(det, range(1, 120), WORLD, nan_at) == []
     assert det.steps_evaluated == 118
+
+
+def test_a_pair_slow_from_one_end_only_is_not_a_slow_link():
+    """A rank descheduled through its round trips with one partner reads them slow; the partner, timing the same
+    round trips, does not: the link is as fast as its faster end saw it."""
+    results = {r: {p: 0.0018 for p in WORLD if p != r} for r in WORLD}
+    results[0][3] = 0.0082
+    assert _judge(results) == []
