@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import tempfile
 
 from trainscout import __version__, config
 from trainscout.faults.spec import KINDS as FAULT_KINDS
@@ -185,6 +187,10 @@ def _run(args, command: list[str], on_done=None) -> int:
         monitor_nice=cfg.run.monitor_nice,
         settings=config.to_environ(cfg),
     )
+    problem = _run_place_problem(args.run_dir, args.run_id)
+    if problem:
+        print(f"trainscout: {problem}", file=sys.stderr)
+        return 2
     if args.run_id:
         # a run's files are appended to: a second run in the same folder would report the first one's findings
         run_path = run_dir_of(opts, args.run_id)
@@ -263,6 +269,27 @@ def _demo_verdict(specs: list, status: int, findings: list, hang_timeout_s: floa
     if verdict.ok is None:
         return status
     return 0 if verdict.ok else 1
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _run_place_problem(run_dir: str, run_id: str | None) -> str | None:
+    """Why the run's folder cannot be used (None: it can). A run id names a folder under --run-dir and this
+    host's shared-memory channels: a path in it would write outside --run-dir and leave every probe without
+    its channel."""
+    if run_id is not None and (not _RUN_ID.fullmatch(run_id) or run_id in (".", "..")):
+        return (
+            f"--run-id {run_id!r} is not a plain name: use letters, digits, '.', '_' and '-' "
+            "(up to 128, not starting with '.', '_' or '-')"
+        )
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as exc:
+        return f"--run-dir {run_dir!r} cannot hold the run's files: {exc.strerror or exc}"
+    return None
 
 
 def _request_replay(run_dir: str, layer: str) -> int:

@@ -34,3 +34,19 @@ def test_demo_help_lists_every_fault_and_its_verdict(capsys):
 def test_a_demo_fault_that_cannot_fire_is_refused_before_anything_starts(argv, message, capsys):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("run_id", ["../../etc", "/tmp/x", "a/b", "..", "-x", ""])
+def test_a_run_id_that_is_not_a_plain_name_is_refused_before_anything_starts(run_id, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert cli.main(["run", "--run-dir", str(runs), f"--run-id={run_id}", "--", "true"]) == 2
+    assert "is not a plain name" in capsys.readouterr().err
+    assert not runs.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_run_dir_that_cannot_hold_files_is_refused_with_a_line_not_a_traceback(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["run", "--run-dir", str(blocker / "runs"), "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold the run's files" in err and "Traceback" not in err
