@@ -73,7 +73,7 @@ CASES: dict[str, tuple[str, str, int, bool]] = {
         260,
         False,
     ),
-    "starved core": ("starve:hogs=2", "straggler", 260, True),
+    "starved core": ("starve:hogs=2", "straggler", 400, True),
 }
 
 

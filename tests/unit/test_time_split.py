@@ -58,11 +58,11 @@ def test_blocked_on_every_rank_is_a_slow_job_not_a_straggler():
 
 
 def test_a_starved_rank_is_named_only_when_it_lasts():
-    short = _feed(range(1, 200), lambda r, s: 0.0, starved=lambda r, s: 0.04 if r == 3 and 100 <= s < 125 else 0.0)
+    short = _feed(range(1, 200), lambda r, s: 0.0, starved=lambda r, s: 0.04 if r == 3 and 100 <= s < 150 else 0.0)
     assert short == []
-    held = _feed(range(1, 200), lambda r, s: 0.0, starved=lambda r, s: 0.04 if r == 3 and s >= 100 else 0.0)
+    held = _feed(range(1, 260), lambda r, s: 0.0, starved=lambda r, s: 0.04 if r == 3 and s >= 100 else 0.0)
     assert [(f.culprit_ranks, f.evidence["type"]) for f in held] == [([3], "starved")]
-    assert held[0].step - 100 <= 50
+    assert held[0].step - 100 <= 90  # 16-step medians, then 56 of 64 evaluations
 
 
 def test_unmeasured_run_queue_leaves_the_parts_unjudged():

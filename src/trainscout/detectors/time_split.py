@@ -122,15 +122,16 @@ DATA = Part(
     what="loading data (inside DataLoader iteration)",
 )
 # Healthy ranks beside a CPU hog showed 8-step medians up to 58 ms over their peers' (1.4 steps): the scheduler
-# rotates whom it delays within a few tens of steps, so only a long, large excess is a starved core.
+# rotates whom it delays within a few tens of steps, so only a long, large excess is a starved core. One healthy
+# rank beside a hog was held back 22 ms a step (29 % of it) for ~45 steps: it must last about twice that.
 STARVED = Part(
     "starved",
     window=16,
     abs_s=0.01,
-    rel=0.25,
+    rel=0.3,
     z=6.0,
-    k=28,
-    m=32,
+    k=56,
+    m=64,
     spike_rel=10.0,
     spike_abs_s=10.0,
     intermittent_min=10**6,
