@@ -194,3 +194,28 @@ def test_probe_cost_summary_line_says_how_often_cpu_gradients_were_tested(tmp_pa
         "nonfinite 0.100 ms/step (0.10 % of step time); CPU gradients tested for NaN/Inf every 32 "
         "steps (the loss every step)"
     ), line
+
+
+def test_monitoring_gaps_and_refused_frames_reach_the_report(tmp_path):
+    """A run that says "no findings" must also say when nobody was looking (the agent silent, the coordinator
+    stopped) and what it refused to read."""
+    import json
+
+    from trainscout.runner.supervisor import monitoring_gap_lines
+
+    events = tmp_path / "events.jsonl"
+    rows = [
+        {"t": 1000.0, "kind": "agent_lost", "node": "node0"},
+        {"t": 1012.5, "kind": "agent_back", "node": "node0", "silent_s": 15.5},
+        {"t": 1100.0, "kind": "coordinator_stalled", "seconds": 30.2},
+        {"t": 1200.0, "kind": "agent_lost", "node": "node1"},
+        {"t": 1300.0, "kind": "coordinator_exit", "findings": 0, "rejected": {"bad_mac": 3, "oversize": 1}},
+    ]
+    events.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = monitoring_gap_lines(str(events))
+    assert len(lines) == 4, lines
+    assert "agent of node0 was silent" in lines[0] and "15.5 s" in lines[0]
+    assert "coordinator did not run for 30.2 s" in lines[1]
+    assert "3 bad_mac" in lines[2] and "1 oversize" in lines[2]
+    assert "agent of node1 went silent" in lines[3] and "never reported again" in lines[3]
+    assert monitoring_gap_lines(str(tmp_path / "absent.jsonl")) == []

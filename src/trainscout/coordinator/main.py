@@ -91,6 +91,7 @@ class PendingFetch:
 REPLAY_REQUEST = "replay-request"  # file in the run dir that `trainscout replay` writes
 REPLAY_LEAD_S = 5.0  # how far ahead an on-command replay is scheduled, in seconds of training
 REPLAY_LEAD_STEPS = 10
+STALL_S = 5.0  # a gap this long between detection passes is a monitoring gap (the coordinator did not run)
 
 
 class Coordinator:
@@ -159,10 +160,11 @@ class Coordinator:
         node = self.nodes.setdefault(
             identity, {"last": now, "name": identity.decode(errors="replace"), "lost": False, "gone": False}
         )
-        node["last"] = now
         if node["lost"]:
             node["lost"] = False
             self.console.info(f"agent {node['name']} is reporting again")
+            self.events.write("agent_back", node=node["name"], silent_s=round(now - node["last"], 1))
+        node["last"] = now
         if isinstance(msg, (NodeDigest, Hello)):
             node["agent"] = True  # the supervisor's one-off launcher report is not an agent
         if isinstance(msg, NodeDigest):
@@ -723,6 +725,9 @@ class Coordinator:
                 if isinstance(got[1], NodeDigest):
                     next_detect = min(next_detect, max(now + 0.02, last_detect + after_digest_s))
             if now >= next_detect:
+                if last_detect and now - last_detect > STALL_S:
+                    # this process did not run (stopped, or starved of CPU): nothing was judged meanwhile
+                    self.events.write("coordinator_stalled", seconds=round(now - last_detect, 1))
                 self.detect(now)
                 last_detect = now
                 next_detect = now + detect_every_s

@@ -335,6 +335,7 @@ class Supervisor:
         topology = _topology_line(self.run_dir)
         if topology:
             notes.insert(0, topology)
+        notes.extend(monitoring_gap_lines(os.path.join(self.run_dir, "events.jsonl")))
         write_summary(
             os.path.join(self.run_dir, "summary.md"),
             run_id=self.run_id,
@@ -347,6 +348,45 @@ class Supervisor:
         )
         n = len(findings)
         self.console.info(f"{n} finding{'s' if n != 1 else ''}; report: {os.path.join(self.run_dir, 'summary.md')}")
+
+
+def monitoring_gap_lines(events_path: str) -> list[str]:
+    """What the run's monitoring missed, from the coordinator's events: agents silent and for how long,
+    stretches in which the coordinator itself did not run, frames it refused. A report that says "no
+    findings" must also say when nobody was looking."""
+    lines: list[str] = []
+    lost_at: dict[str, float] = {}
+    try:
+        with open(events_path) as fh:
+            events = [json.loads(line) for line in fh if line.strip()]
+    except (OSError, ValueError):
+        return lines
+
+    def clock(t: float) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(t))
+
+    for e in events:
+        kind, t = e.get("kind"), float(e.get("t", 0.0))
+        if kind == "agent_lost":
+            lost_at[str(e.get("node"))] = t
+        elif kind == "agent_back":
+            node = str(e.get("node"))
+            since = lost_at.pop(node, t - float(e.get("silent_s", 0.0)))
+            lines.append(
+                f"monitoring gap: the agent of {node} was silent from {clock(since)} to {clock(t)} "
+                f"({e.get('silent_s')} s without news); its ranks were not judged meanwhile"
+            )
+        elif kind == "coordinator_stalled":
+            lines.append(
+                f"monitoring gap: the coordinator did not run for {e.get('seconds')} s up to {clock(t)} "
+                "(stopped or starved of CPU); nothing was judged meanwhile"
+            )
+        elif kind == "coordinator_exit" and e.get("rejected"):
+            rejected = ", ".join(f"{n} {why}" for why, n in sorted(e["rejected"].items()))
+            lines.append(f"frames refused by the coordinator (not from this job's agents, or malformed): {rejected}")
+    for node, since in lost_at.items():
+        lines.append(f"monitoring gap: the agent of {node} went silent at {clock(since)} and never reported again")
+    return lines
 
 
 def _topology_line(run_dir: str) -> str:
