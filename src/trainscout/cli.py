@@ -44,7 +44,7 @@ examples:
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default="runs", help="folder for runs/<run-id>/ (default: ./runs)")
-    p.add_argument("--run-id", help="name of this run (default: date-time + random)")
+    p.add_argument("--run-id", help="name of this run: letters, digits, '.', '_', '-' (default: date-time + random)")
     p.add_argument(
         "--inject",
         default="",
