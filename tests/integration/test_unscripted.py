@@ -16,6 +16,10 @@ from conftest import demo_with_fault
 pytestmark = pytest.mark.slow
 
 
+# A confirmation is scheduled ~2.5 s of training ahead of the suspect: on a fast, quiet machine that is well
+# over 100 steps, so these jobs run long enough for it to land (150 steps once ended first).
+
+
 def _blamed(result) -> set[int]:
     return {r for f in result.findings for r in f["culprit_ranks"]}
 
@@ -33,7 +37,7 @@ def test_a_rank_blocked_in_a_forward_is_named_with_the_function_that_blocks(tmp_
 
 
 def test_a_layer_computing_wrong_on_one_rank_is_named_and_confirmed_by_replay(tmp_path):
-    result = demo_with_fault(tmp_path, "outflip", "outflip:rank=2:step=40", 200)
+    result = demo_with_fault(tmp_path, "outflip", "outflip:rank=2:step=40", 400)
     assert result.returncode == 0, result.describe()
     numeric = [
         f for f in result.findings if f["kind"] == "sdc" and f["evidence"].get("check", "").startswith("numeric")
@@ -49,7 +53,7 @@ def test_a_layer_computing_wrong_on_one_rank_is_named_and_confirmed_by_replay(tm
 
 
 def test_one_step_of_gradient_noise_is_named_as_a_transient(tmp_path):
-    result = demo_with_fault(tmp_path, "gradnoise", "gradnoise:rank=3:step=40:layer=blocks.1", 150)
+    result = demo_with_fault(tmp_path, "gradnoise", "gradnoise:rank=3:step=40:layer=blocks.1", 400)
     assert result.returncode == 0, result.describe()
     (f,) = result.findings
     assert (f["kind"], f["culprit_ranks"], f["step"]) == ("sdc", [3], 41), result.describe()
