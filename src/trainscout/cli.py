@@ -278,7 +278,7 @@ def _run_place_problem(run_dir: str, run_id: str | None) -> str | None:
     """Why the run's folder cannot be used (None: it can). A run id names a folder under --run-dir and this
     host's shared-memory channels: a path in it would write outside --run-dir and leave every probe without
     its channel."""
-    if run_id is not None and (not _RUN_ID.fullmatch(run_id) or run_id in (".", "..")):
+    if run_id is not None and not _RUN_ID.fullmatch(run_id):  # also refuses "." and "..": first character
         return (
             f"--run-id {run_id!r} is not a plain name: use letters, digits, '.', '_' and '-' "
             "(up to 128, not starting with '.', '_' or '-')"

@@ -258,13 +258,14 @@ class StateCheck:
         elif len(slots) % 2 == 0 and slots:
             slots.append(slots[0])  # an odd count lets every power-of-two stride reach every slot
         self._slots = slots
-        self._hashers = {}
-        for slot in slots:
-            for _, t, start, end in slot:
-                if t.device.type == "cpu" and t.is_contiguous():
-                    from trainscout.fingerprint.cpu import RangeHasher
+        from trainscout.fingerprint.cpu import RangeHasher
 
-                    self._hashers[(id(t), start)] = RangeHasher(t, start, end)
+        self._hashers = {
+            (id(t), start): RangeHasher(t, start, end)
+            for slot in slots
+            for _, t, start, end in slot
+            if t.device.type == "cpu" and t.is_contiguous()
+        }
         if self._device is None and device_state.usable(tensors):
             # deep enough for a whole-state confirmation (every slot at once) on top of the rotation's in flight
             self._device = device_state.DeviceStateHashes(depth=_TARGET_SLOTS + 9)
