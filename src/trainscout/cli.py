@@ -107,6 +107,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="CPU niceness added to the agent and coordinator, 0-19 (default 0): they then use a busy "
         "machine's idle moments, but react later under load",
     )
+    p.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default=None,
+        help="least severe line written to runs/<id>/trainscout.log (default INFO)",
+    )
 
 
 def _flag_settings(args) -> dict:
@@ -118,6 +124,7 @@ def _flag_settings(args) -> dict:
         "run.monitor_nice": args.monitor_nice,
         "run.stack_method": args.stack_method,
         "run.console": args.console,
+        "run.log_level": args.log_level,
     }
 
 

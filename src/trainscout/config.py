@@ -104,6 +104,13 @@ class Run:
         flag="--console",
         doc="finding output style (auto: rich on a terminal, plain lines otherwise)",
     )
+    log_level: str = setting(
+        "INFO",
+        "TRAINSCOUT_LOG_LEVEL",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        flag="--log-level",
+        doc="least severe line written to runs/<id>/trainscout.log (every process, with its rank and step)",
+    )
 
 
 @dataclass(frozen=True)

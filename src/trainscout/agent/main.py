@@ -17,12 +17,15 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from trainscout import config, log
 from trainscout.agent import stacks
 from trainscout.agent.rank_view import RankView
 from trainscout.process_priority import lower_priority
 from trainscout.channel.layout import link_probe_request_path, list_channels, replay_request_path, trust_path
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
+
+_log = log.get("agent")
 
 if TYPE_CHECKING:  # types only: NVML is loaded at the first digest with ranks
     from trainscout.agent.device_health import DeviceSampler
@@ -78,8 +81,9 @@ class Agent:
         if self.devices is not None and self.devices.enabled:
             try:
                 devices = self.devices.sample()
-            except Exception:
+            except Exception as exc:
                 devices = []  # the sampler fails open; one bad read must not cost the digest
+                _log.warning("GPU readings failed this digest: %r", exc)
         return NodeDigest(node_id=self.node_id, host=self.host, number=self.number, ranks=ranks, devices=devices)
 
     def handle(self, cmd: Command) -> None:
@@ -231,6 +235,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _log_level() -> str:
+    settings, _problems = config.from_environ()
+    return settings.run.log_level
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainscout.agent", description=__doc__)
     p.add_argument("--run-id", required=True)
@@ -242,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
     args = p.parse_args(argv)
     lower_priority(args.nice)
+    log.setup(f"agent@{args.node_id}", os.environ.get("TRAINSCOUT_RUN_DIR"), level=_log_level())
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     agent = Agent(
         args.run_id, args.coordinator, secret, args.node_id, interval_s=args.interval, stack_method=args.stack_method

@@ -20,22 +20,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trainscout.detectors.desync import DesyncDetector, FetchRequest
-from trainscout.detectors.device_health import DeviceHealthDetector, GpuSample
-from trainscout.detectors.exits import ExitDetector
-from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
-from trainscout import config
+from trainscout import config, log
 from trainscout.coordinator import confirmation
-from trainscout.detectors.nonfinite import NonFiniteDetector
-from trainscout.detectors.numerics import NumericDetector
-from trainscout.detectors.state import ReplicaStateDetector, verified_window
+from trainscout.detectors.devices import DeviceWatch
+from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe
 from trainscout.detectors.observations import RankObs
-from trainscout.detectors.progress import HangDetector, Suspect
+from trainscout.detectors.registry import Registry, default_detectors
 from trainscout.detectors.replay import ReplayDetector
-from trainscout.detectors.straggler import StragglerDetector
+from trainscout.detectors.state import ReplicaStateDetector, verified_window
 from trainscout.detectors.where_time_goes import where_time_goes
-from trainscout.findings import HPZ_RACE
-from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
+from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, HPZ_RACE, NONFINITE, SDC, STALL, STRAGGLER
+from trainscout.findings import Finding
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
@@ -51,6 +46,7 @@ from trainscout.wire.messages import (
     StackReport,
 )
 
+_log = log.get("coordinator")
 ROOT_KINDS = {HANG, DESYNC, CRASH, EARLY_EXIT, STALL}
 # straggler types whose finding says where the time goes (a starved rank's is spread over whatever it runs)
 PROFILED = {"blocked", "compute", "data_loading"}
@@ -82,7 +78,7 @@ PROFILE_PEERS = 2
 
 @dataclass
 class PendingFetch:
-    request: FetchRequest
+    ask: FetchRecords
     waiting: set[int]
     deadline: float
     records: dict = field(default_factory=dict)
@@ -107,26 +103,22 @@ class Coordinator:
         stack_timeout_s: float = 4.0,
         agent_silence_s: float = 3.0,
         gpu_stragglers: bool = True,
+        detectors: Registry | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
         self.evidence_log = EvidenceLog(os.path.join(run_dir, "evidence.jsonl"))
-        self.hang = HangDetector(hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s)
-        self.desync = DesyncDetector()
-        self.exits = ExitDetector(blocked_s=hang_timeout_s)
-        self.state = ReplicaStateDetector()
-        self.hpz = HpzRaceDetector()
-        self.nonfinite = NonFiniteDetector()
-        self.replay = ReplayDetector()
-        self.numerics = NumericDetector()  # loss and layer gradient norms against peers (statistical suspects)
+        self.detectors = detectors or default_detectors(
+            hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s, gpu_stragglers=gpu_stragglers
+        )
+        # what the coordinator itself reads of three detectors: the state and replay verdicts (confirmations,
+        # checkpoint trust) and which GPU a rank runs on (a finding's identity); each may be left out
+        self.state = _of(self.detectors, "state", ReplicaStateDetector)
+        self.replay = _of(self.detectors, "replay", ReplayDetector)
+        self.devices = _of(self.detectors, "devices", DeviceWatch)
         self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
-        # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
-        self.straggler = StragglerDetector(gpu_compute=gpu_stragglers)
-        self.devices = DeviceHealthDetector()
-        self.rank_gpu: dict[int, str] = {}  # rank -> "host:gpu index" of the GPU its process runs on (NVML)
-        self._devices_new = False
         self.topology = TopologyTracker()
         self._topology_key = ""  # the groups last judged, once their line is shown (see _track_topology)
         self.topology_file = os.path.join(run_dir, "topology.json")
@@ -169,32 +161,16 @@ class Coordinator:
             node["agent"] = True  # the supervisor's one-off launcher report is not an agent
         if isinstance(msg, NodeDigest):
             node["host"] = msg.host
-            self._take_devices(msg, now)
             for st in msg.ranks:
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
                 self.rank_node[st.rank] = identity
-                if st.state:
-                    hpz = [r for r in st.state if is_hpz_record(r)]  # forward/backward weights (hpZ check)
-                    if hpz:
-                        self.hpz.add(st.rank, hpz, now)
-                    self.state.add(st.rank, st.replica_group, [r for r in st.state if not is_hpz_record(r)], now)
-                if st.replays:
-                    self.replay.add(st.rank, st.replays, now)
+            for detector in self.detectors:
+                detector.observe(msg, now)
+            for st in msg.ranks:
                 if st.steps:
-                    self.straggler.add(st.rank, st.steps, now)
                     self._step_walls.extend(r.wall_s for r in st.steps if r.wall_s > 0)
-                if st.links:
-                    self.straggler.add_links(st.rank, st.links, now)
                 if st.steps or st.numerics:
                     self.evidence_log.write(st.rank, st.steps, st.numerics, st.numeric_layers, len(self.ranks))
-                if st.numerics and st.replica_group:
-                    self.numerics.add(
-                        st.rank,
-                        st.replica_group,
-                        st.numeric_layers,
-                        [(n.step, n.loss, n.norms) for n in st.numerics],
-                        now,
-                    )
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
             top = max(o.state.step for o in self.ranks.values()) if self.ranks else 0
@@ -215,49 +191,6 @@ class Coordinator:
             node["gone"] = True
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
 
-    def _take_devices(self, msg: NodeDigest, now: float) -> None:
-        """The node's GPU readings: to the device-health detector, and which rank's process runs on which GPU."""
-        if not msg.devices:
-            return
-        pid_rank = {st.pid: st.rank for st in msg.ranks}
-        for reading in msg.devices:
-            key = f"{msg.host}:gpu{reading.index}"
-            self.devices.add(GpuSample.from_reading(key, reading), now)
-            for pid in reading.pids:
-                if pid in pid_rank:
-                    self.rank_gpu[pid_rank[pid]] = key
-        self._devices_new = True
-
-    def _device_findings(self, now: float, live: set[int]) -> list[Finding]:
-        """GPUs that deviate from the GPUs of their replica class, and device error events (NVML)."""
-        if not self._devices_new:
-            return []
-        self._devices_new = False
-        classes: dict[str, list[str]] = {}
-        placed: set[str] = set()
-        for r in sorted(live):
-            gpu, group = self.rank_gpu.get(r), self.ranks[r].state.replica_group if r in self.ranks else None
-            if gpu is None or group is None or gpu in placed:
-                continue
-            placed.add(gpu)
-            classes.setdefault(group, []).append(gpu)
-        out = []
-        for obs in self.devices.update(list(classes.values()), now):
-            ranks = sorted(r for r, g in self.rank_gpu.items() if g == obs.gpu)
-            out.append(
-                Finding(
-                    kind=HEALTH,
-                    summary=obs.summary,
-                    culprit_ranks=ranks if obs.attributable else [],
-                    status="attributed" if obs.attributable else "inconclusive",
-                    confidence=0.9 if obs.attributable else 0.4,
-                    devices=[obs.gpu],
-                    pg=f"device:{obs.gpu}",
-                    evidence={"type": obs.kind, "gpu": obs.gpu, **obs.evidence},
-                )
-            )
-        return out
-
     def _probe_error(self, rank: int, err: str) -> None:
         if (rank, err) not in self._seen_errors:
             self._seen_errors.add((rank, err))
@@ -276,35 +209,78 @@ class Coordinator:
             return
         self._watch_agents(now)  # first: a silent agent's ranks must not be judged in this very pass
         self._replay_on_command(now)
-        # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
-        seen = {r: o for r, o in self.ranks.items() if not self._node_lost(r)}
-        findings, fetches = self.desync.update(seen)
-        for f in findings:
-            self.emit(f, now)
-        for req in fetches:
-            self._start_fetch(req, now)
-        for suspect in self.hang.update(now, seen):
-            self._start_stacks(suspect, now)
-        members = {pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members}
-        live = {r for r, o in seen.items() if o.state.alive}
-        replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
-        for f in (
-            self.state.update(now, members, live)
-            + self._numeric(now, live)
-            + self.nonfinite.update(now, self.ranks)
-            + self.hpz.update(now, live)
-            + self.replay.update(now, replicas)
-            + self._stragglers(now, live)
-            + self._device_findings(now, live)
-        ):
-            self.emit(f, now)
-        if self.root_found:
-            self.exits.done = True  # later exits follow from the fault already named
-        for f in self.exits.update(now, self.ranks, self.launcher_codes, self.launcher_done):
-            self.emit(f, now)
+        view = self._view(now)
+        for detector in self.detectors:
+            view.root_found = self.root_found
+            judgement = detector.judge(view)
+            for f in judgement.findings:
+                self._take(f, view)
+            for ask in judgement.asks:
+                self._ask(ask, view)
+            for kind, fields in judgement.events:
+                self.events.write(kind, **fields)
+            if detector.name == "numerics":  # a confirmation resolves in the pass of its suspects' detector
+                for f in self._confirm(now):
+                    self.emit(f, now)
         self._flush_due(now)
         self._publish_trust(now)
         self._track_topology()
+
+    def _view(self, now: float) -> JobView:
+        # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
+        seen = {r: o for r, o in self.ranks.items() if not self._node_lost(r)}
+        live = {r for r, o in seen.items() if o.state.alive}
+        classes: dict[str, list[int]] = {}
+        for r in sorted(live):
+            group = self.ranks[r].state.replica_group
+            if group:
+                classes.setdefault(group, []).append(r)
+        return JobView(
+            now=now,
+            ranks=self.ranks,
+            seen=seen,
+            live=live,
+            members={pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members},
+            classes=classes,
+            launcher_codes=self.launcher_codes,
+            launcher_done=self.launcher_done,
+            root_found=self.root_found,
+        )
+
+    def _take(self, f: Finding, view: JobView) -> None:
+        """A detector's finding: a straggler's waits for where its time goes; the rest go out now."""
+        if f.kind == STRAGGLER:
+            self._straggler(f, view.live, view.now)
+        else:
+            self.emit(f, view.now)
+
+    def _ask(self, ask: Ask, view: JobView) -> None:
+        now = view.now
+        if isinstance(ask, DumpStacks):
+            self._start_stacks(ask, now)
+        elif isinstance(ask, FetchRecords):
+            self._start_fetch(ask, now)
+        elif isinstance(ask, Confirm):
+            s = ask.suspect
+            # what the probes can replay, as the rotation orders it
+            self.confirmations.replay_layers = next(
+                (list(o.state.replay_layers) for o in self.ranks.values() if o.state.replay_layers), []
+            )
+            self.confirmations.add(s, confirmation.numeric_finding(s))
+            self.events.write(
+                "numeric_suspect",
+                rank=s.rank,
+                step=s.step,
+                statistic=s.statistic,
+                pattern=s.pattern,
+                layer=s.layer,
+                ratio=round(s.ratio, 4),
+                z=round(s.z, 2),
+            )
+        elif isinstance(ask, LinkProbe):
+            self._schedule_link_probe(now, ask)
+        else:
+            raise TypeError(f"unknown ask {ask!r}")
 
     def _track_topology(self) -> None:
         """Which groups exist and which ranks are replicas: topology.json, an event, a console line."""
@@ -340,7 +316,7 @@ class Coordinator:
         layers = sorted({layer for s in live for layer in s.replay_layers})
         integrity = [f for f in self.findings if f.kind in INTEGRITY_KINDS]
         suspect_since = min((f.step or 0 for f in integrity), default=None)
-        verified, first = verified_window(self.state.step_clean, slots)
+        verified, first = verified_window(self.state.step_clean if self.state else {}, slots)
         if suspect_since is not None and first > suspect_since:
             suspect_since = None  # a whole clean rotation after the finding re-verified the state
         return {
@@ -348,7 +324,7 @@ class Coordinator:
             "state_period": period,
             "suspect_since": suspect_since,
             "replay_layers": layers,
-            "replay_rotation_clean": set(layers) <= self.replay.clean_layers,
+            "replay_rotation_clean": set(layers) <= (self.replay.clean_layers if self.replay else set()),
             "findings": [f.summary for f in integrity][-5:],
         }
 
@@ -363,25 +339,17 @@ class Coordinator:
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="trust", request_id=next(self.request_ids), payload=payload))
 
-    def _stragglers(self, now: float, live: set[int]) -> list[Finding]:
-        devices = [self.ranks[r].state.device for r in live if self.ranks[r].state.device]
-        self.straggler.shared_gpu = len(devices) != len(set(devices))  # ranks competing for one GPU
-        findings = []
-        for f in self.straggler.update(now, live):
-            # a stall names where the training code waits: the call site the probe saw (slow loads, saves)
-            where = {"data_loading": "data", "checkpoint_write": "ckpt"}.get(f.evidence.get("type", ""))
-            if where:
-                for r in f.culprit_ranks:
-                    site = self.ranks[r].state.io_sites.get(where) if r in self.ranks else None
-                    if site:
-                        f.stacks[str(r)] = site
-            if f.culprit_ranks and f.evidence.get("type") in PROFILED and self._start_profile(f, live, now):
-                continue  # emitted once the samples are in (_flush_due)
-            findings.append(f)
-        wanted = self.straggler.comm.take_request()
-        if wanted is not None:
-            self._schedule_link_probe(now, *wanted)
-        return findings
+    def _straggler(self, f: Finding, live: set[int], now: float) -> None:
+        # a stall names where the training code waits: the call site the probe saw (slow loads, saves)
+        where = {"data_loading": "data", "checkpoint_write": "ckpt"}.get(f.evidence.get("type", ""))
+        if where:
+            for r in f.culprit_ranks:
+                site = self.ranks[r].state.io_sites.get(where) if r in self.ranks else None
+                if site:
+                    f.stacks[str(r)] = site
+        if f.culprit_ranks and f.evidence.get("type") in PROFILED and self._start_profile(f, live, now):
+            return  # emitted once the samples are in (_flush_due)
+        self.emit(f, now)
 
     def _start_profile(self, finding: Finding, live: set[int], now: float) -> bool:
         """Sample the culprit's and some peers' stacks over the same seconds (agents, py-spy); the finding waits
@@ -423,31 +391,9 @@ class Coordinator:
             f.evidence["where"] = None
         return f
 
-    def _numeric(self, now: float, live: set[int]) -> list[Finding]:
-        """Numerical outliers: each suspect waits for a confirmation (replay of its layers and the whole
-        replicated state, on every replica at one step ahead); the completed findings once it is in."""
-        classes: dict[str, list[int]] = {}
-        for r in live:
-            group = self.ranks[r].state.replica_group
-            if group:
-                classes.setdefault(group, []).append(r)
-        suspects = self.numerics.update(now, classes)
-        if suspects:  # what the probes can replay, as the rotation orders it
-            self.confirmations.replay_layers = next(
-                (list(o.state.replay_layers) for o in self.ranks.values() if o.state.replay_layers), []
-            )
-        for s in suspects:
-            self.confirmations.add(s, confirmation.numeric_finding(s))
-            self.events.write(
-                "numeric_suspect",
-                rank=s.rank,
-                step=s.step,
-                statistic=s.statistic,
-                pattern=s.pattern,
-                layer=s.layer,
-                ratio=round(s.ratio, 4),
-                z=round(s.z, 2),
-            )
+    def _confirm(self, now: float) -> list[Finding]:
+        """Numerical suspects wait for a confirmation (replay of their layers and the whole replicated state,
+        on every replica at one step ahead): schedule the next one; the completed findings once it is in."""
         if self.confirmations.queued is not None and self.confirmations.current is None:
             step, rate = self._step_ahead(now, confirmation.LEAD_S, lead_steps=3)
             rid = next(self.request_ids)
@@ -470,24 +416,29 @@ class Coordinator:
                     ranks=sorted(pending.ranks),
                     steps_per_s=round(rate, 2),
                 )
-        return self.confirmations.resolve(now, self.replay.outcomes, self.state.step_clean, self.state.outliers_at)
+        return self.confirmations.resolve(
+            now,
+            self.replay.outcomes if self.replay else {},
+            self.state.step_clean if self.state else {},
+            self.state.outliers_at if self.state else {},
+        )
 
-    def _schedule_link_probe(self, now: float, pg: str, members: list[int], before_s: float, now_s: float) -> None:
+    def _schedule_link_probe(self, now: float, ask: LinkProbe) -> None:
         """Collectives of `pg` slowed on every member: have the members time exchanges with each other at a
         step far enough ahead that every probe has read the request (see probe/link_probe.py)."""
         step, rate = self._step_ahead(now)
         if step is None:
             return
         rid = next(self.request_ids)
-        payload = json.dumps({"id": rid, "step": step, "members": members})
+        payload = json.dumps({"id": rid, "step": step, "members": ask.members})
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="linkprobe", request_id=rid, payload=payload))
-        self.straggler.comm.scheduled(rid, pg, members, step, before_s, now_s, now)
+        ask.scheduled(rid, step, now)
         self.console.info(
-            f"collectives of pg {pg} slowed on every member ({before_s * 1e3:.1f} -> "
-            f"{now_s * 1e3:.1f} ms per step): link probe at step {step}"
+            f"collectives of pg {ask.pg} slowed on every member ({ask.before_s * 1e3:.1f} -> "
+            f"{ask.now_s * 1e3:.1f} ms per step): link probe at step {step}"
         )
-        self.events.write("link_probe_requested", pg=pg, step=step, members=members, steps_per_s=round(rate, 2))
+        self.events.write("link_probe_requested", pg=ask.pg, step=step, members=ask.members, steps_per_s=round(rate, 2))
 
     def _step_ahead(
         self, now: float, lead_s: float = REPLAY_LEAD_S, lead_steps: int = REPLAY_LEAD_STEPS
@@ -547,12 +498,12 @@ class Coordinator:
         self.console.info(f"replay requested: {layer or 'next layer of the rotation'} at step {step}")
         self.events.write("replay_requested", step=step, layer=layer, steps_per_s=round(rate, 2))
 
-    def _start_stacks(self, suspect: Suspect, now: float) -> None:
+    def _start_stacks(self, suspect: DumpStacks, now: float) -> None:
         suspect.finding.first_seen = time.time()
         self.root_found = self.root_found or suspect.finding.kind in ROOT_KINDS
         rid = next(self.request_ids)
         by_node: dict[bytes, list[int]] = {}
-        for r in suspect.stack_ranks:
+        for r in suspect.ranks:
             if r in self.rank_node:
                 by_node.setdefault(self.rank_node[r], []).append(r)
         sent: set[int] = set()
@@ -581,7 +532,8 @@ class Coordinator:
         """True if the evidence came (partly) from an agent that has gone silent since."""
         return any(n.get("lost") for n in self.nodes.values() if n.get("agent"))
 
-    def _start_fetch(self, req: FetchRequest, now: float) -> None:
+    def _start_fetch(self, ask: FetchRecords, now: float) -> None:
+        req = ask.request
         rid = next(self.request_ids)
         by_node: dict[bytes, list[int]] = {}
         for r in req.ranks:
@@ -599,7 +551,7 @@ class Coordinator:
                     seq_to=req.seq_to,
                 ),
             )
-        self.pending_fetch[rid] = PendingFetch(req, set(req.ranks), now + self.stack_timeout_s)
+        self.pending_fetch[rid] = PendingFetch(ask, set(req.ranks), now + self.stack_timeout_s)
 
     def _on_records(self, msg: RecordsReport, now: float) -> None:
         pending = self.pending_fetch.get(msg.request_id)
@@ -623,7 +575,7 @@ class Coordinator:
         for rid, pf in list(self.pending_fetch.items()):
             if not pf.waiting or now >= pf.deadline:
                 del self.pending_fetch[rid]
-                f = self.desync.resolve(pf.request, pf.records)
+                f = pf.ask.resolve(pf.ask.request, pf.records)
                 if f is not None:
                     self.emit(f, now)
 
@@ -673,15 +625,14 @@ class Coordinator:
             f.hosts = sorted({o.host for o in obs})
         if not f.pids:
             f.pids = [o.state.pid for o in obs]
+        gpu_of = self.devices.gpu_of if self.devices else (lambda r: None)
         if not f.devices:
             f.devices = [
-                self.rank_gpu.get(r, f"local_rank {self.ranks[r].state.local_rank}")
-                for r in f.culprit_ranks
-                if r in self.ranks
+                gpu_of(r) or f"local_rank {self.ranks[r].state.local_rank}" for r in f.culprit_ranks if r in self.ranks
             ]
         for r in f.culprit_ranks:  # what the culprit's GPU looked like when the finding was made
-            gpu = self.rank_gpu.get(r)
-            text = self.devices.summary(gpu) if gpu is not None else None
+            gpu = gpu_of(r)
+            text = self.devices.summary(gpu) if self.devices and gpu is not None else None
             if text:
                 f.evidence.setdefault("device", {})[str(r)] = text
 
@@ -756,16 +707,25 @@ class Coordinator:
         self._flush_due(now)
         for f in self.confirmations.abandon():
             self.emit(f, now)
-        self.events.write("straggler_trace", steps=self.straggler.trace_rows(), waits="per-step")
+        counters: dict = {}
+        for detector in self.detectors:
+            closing = detector.close()
+            for f in closing.findings:
+                self.emit(f, now)
+            for kind, fields in closing.events:
+                self.events.write(kind, **fields)
+            counters.update(closing.counters)
         self.events.write(
-            "coordinator_exit",
-            findings=len(self.findings),
-            rejected=dict(self.endpoint.rejected),
-            state_ranges_compared=self.state.compared,
-            replays_compared=self.replay.replays_compared,
+            "coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected), **counters
         )
         self.evidence_log.close()
         self.endpoint.close()
+
+
+def _of(detectors: Registry, name: str, kind: type):
+    """The registered detector of that name if it is of that kind, else None."""
+    found = detectors.get(name)
+    return found if isinstance(found, kind) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -779,6 +739,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
     args = p.parse_args(argv)
     lower_priority(args.nice)
+    settings, problems = config.from_environ()
+    coord: Coordinator | None = None
+    log.setup(
+        "coordinator",
+        args.run_dir,
+        step=lambda: max((o.state.step for o in coord.ranks.values()), default=None) if coord else None,
+        level=settings.run.log_level,
+    )
+    for problem in problems:
+        _log.warning("setting ignored: %s", problem)
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     endpoint = CoordinatorEndpoint(args.bind, secret)
     rich = {"auto": None, "rich": True, "plain": False}[args.console]
@@ -790,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         hang_timeout_s=args.hang_timeout,
         stall_timeout_s=args.stall_timeout,
         abort_on={k for k in args.abort_on.split(",") if k},
-        gpu_stragglers=config.from_environ()[0].stragglers.gpu,
+        gpu_stragglers=settings.stragglers.gpu,
     )
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:

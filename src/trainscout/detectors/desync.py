@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainscout.consensus import vote_exact
+from trainscout.detectors.interface import DetectorBase, FetchRecords, JobView, Judgement
 from trainscout.detectors.observations import RankObs, group_label, rank_list
 from trainscout.findings import DESYNC, Finding
 from trainscout.markers import NATIVE_HASH
@@ -34,12 +35,19 @@ class FetchRequest:
 MAX_FETCHES = 3  # pulls per group that may come back without the deviation before the group is given up
 
 
-class DesyncDetector:
+class DesyncDetector(DetectorBase):
+    name = "desync"
+
     def __init__(self) -> None:
         self._agreed: dict[str, int] = {}  # pg -> highest seq known to agree
         self._done: set[str] = set()  # groups already reported (hashes differ forever after)
         self._pending: dict[str, FetchRequest] = {}
         self._fetches: dict[str, int] = {}  # pg -> pulls made
+
+    def judge(self, view: JobView) -> Judgement:
+        """A deviation the digests' records show is named at once; else the records are pulled from the agents."""
+        findings, fetches = self.update(dict(view.seen))
+        return Judgement(findings=findings, asks=[FetchRecords(req, self.resolve) for req in fetches])
 
     def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
         findings: list[Finding] = []

@@ -13,6 +13,7 @@ import signal as _signal
 from typing import TYPE_CHECKING
 
 from trainscout.config import RUN
+from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.detectors.observations import RankObs, rank_list, who
 from trainscout.findings import CRASH, EARLY_EXIT, Finding
 
@@ -73,12 +74,19 @@ def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
     return e.how == "exception" and any(t in e.message.lower() for t in _COLLATERAL_TEXT)
 
 
-class ExitDetector:
+class ExitDetector(DetectorBase):
+    name = "exits"
+
     def __init__(self, settle_s: float = 1.0, max_wait_s: float = 4.0, blocked_s: float = HANG_TIMEOUT_S) -> None:
         self.settle_s = settle_s
         self.blocked_s = blocked_s
         self.max_wait_s = max_wait_s
         self.done = False
+
+    def judge(self, view: JobView) -> Judgement:
+        if view.root_found:
+            self.done = True  # later exits follow from the fault already named
+        return findings_only(self.update(view.now, dict(view.ranks), dict(view.launcher_codes), view.launcher_done))
 
     def update(
         self, now: float, ranks: dict[int, RankObs], launcher_codes: dict[int, int], launcher_done: bool

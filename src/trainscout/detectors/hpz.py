@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.detectors.observations import rank_list
 from trainscout.findings import HPZ_RACE, Finding
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
-    from trainscout.wire.messages import StateRecord
+    from trainscout.wire.messages import NodeDigest, StateRecord
 
 PREFIX = "hpz|"
 MAX_LISTED = 12  # parameters and ranges listed in a finding's evidence
@@ -73,7 +74,9 @@ def is_hpz_record(rec: StateRecord) -> bool:
     return rec.tensor.startswith(PREFIX)
 
 
-class HpzRaceDetector:
+class HpzRaceDetector(DetectorBase):
+    name = "hpz"
+
     def __init__(self, wait_s: float = 5.0) -> None:
         self.wait_s = wait_s
         # step -> {"t": first seen, "keys": {(param, start, end): {"fwd": {rank: digest},
@@ -82,6 +85,15 @@ class HpzRaceDetector:
         self._latest: dict[int, int] = {}  # rank -> highest step it reported (its records arrive in order)
         self.compared = 0  # ranges compared
         self.steps_judged = 0
+
+    def observe(self, digest: NodeDigest, now: float) -> None:
+        for st in digest.ranks:
+            records = [r for r in st.state if is_hpz_record(r)]  # forward/backward weights (hpZ check)
+            if records:
+                self.add(st.rank, records, now)
+
+    def judge(self, view: JobView) -> Judgement:
+        return findings_only(self.update(view.now, view.live))
 
     def add(self, rank: int, records: list[StateRecord], now: float) -> None:
         for rec in records:

@@ -7,15 +7,21 @@ passed the origin step with finite values, the origin is named.
 
 from __future__ import annotations
 
+from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.detectors.observations import RankObs, rank_list
 from trainscout.findings import NONFINITE, Finding
 
 
-class NonFiniteDetector:
+class NonFiniteDetector(DetectorBase):
+    name = "nonfinite"
+
     def __init__(self, wait_s: float = 3.0) -> None:
         self.wait_s = wait_s
         self.first_seen: float | None = None
         self.done = False
+
+    def judge(self, view: JobView) -> Judgement:
+        return findings_only(self.update(view.now, dict(view.ranks)))
 
     def update(self, now: float, ranks: dict[int, RankObs]) -> list[Finding]:
         if self.done:

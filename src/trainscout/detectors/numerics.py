@@ -27,6 +27,12 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from trainscout.detectors.interface import Confirm, DetectorBase, JobView, Judgement
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import NodeDigest
 
 MAD_TO_SIGMA = 1.4826
 WINDOW = 64  # steps of per-step dispersion the scale is taken from
@@ -79,7 +85,9 @@ class _Stat:
         return out
 
 
-class NumericDetector:
+class NumericDetector(DetectorBase):
+    name = "numerics"
+
     def __init__(self, wait_s: float = WAIT_S) -> None:
         self.wait_s = wait_s
         self._pending: dict[tuple[str, int], dict] = {}  # (class, step) -> {"loss": {r: v}, "norms": {r: [..]}, "t"}
@@ -91,6 +99,17 @@ class NumericDetector:
         self._named_ranks: set[int] = set()  # ranks already suspected of a persistent deviation
         self.steps_judged = 0
         self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
+
+    def observe(self, digest: NodeDigest, now: float) -> None:
+        for st in digest.ranks:
+            if st.numerics and st.replica_group:
+                self.add(
+                    st.rank, st.replica_group, st.numeric_layers, [(n.step, n.loss, n.norms) for n in st.numerics], now
+                )
+
+    def judge(self, view: JobView) -> Judgement:
+        """A statistical outlier is a suspect: it is named only once replay and the state check confirmed it."""
+        return Judgement(asks=[Confirm(s) for s in self.update(view.now, view.classes)])
 
     def add(
         self,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from trainscout.config import RUN
 from trainscout.consensus import vote_exact
+from trainscout.detectors.interface import DetectorBase, DumpStacks, JobView, Judgement
 from trainscout.detectors.observations import RankObs, group_label, rank_list, who
 from trainscout.findings import DESYNC, HANG, STALL, Finding
 
@@ -28,7 +29,9 @@ class Suspect:
     stack_ranks: list[int] = field(default_factory=list)
 
 
-class HangDetector:
+class HangDetector(DetectorBase):
+    name = "hang"
+
     def __init__(
         self,
         hang_timeout_s: float = HANG_TIMEOUT_S,
@@ -39,6 +42,10 @@ class HangDetector:
         self.stall_timeout_s = stall_timeout_s
         self.starved_after_s = starved_after_s
         self._reported_this_quiet = False
+
+    def judge(self, view: JobView) -> Judgement:
+        """A hang's finding waits for the stacks of the ranks it names (taken from outside them)."""
+        return Judgement(asks=[DumpStacks(s.finding, s.stack_ranks) for s in self.update(view.now, dict(view.seen))])
 
     def update(self, now: float, ranks: dict[int, RankObs]) -> list[Suspect]:
         live = {r: o for r, o in ranks.items() if o.state.alive}

@@ -10,14 +10,17 @@ device's arithmetic.
 from __future__ import annotations
 
 from trainscout.consensus import vote_exact
+from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.findings import HEALTH, SDC, Finding
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
-    from trainscout.wire.messages import ReplayRecord
+    from trainscout.wire.messages import NodeDigest, ReplayRecord
 
 
-class ReplayDetector:
+class ReplayDetector(DetectorBase):
+    name = "replay"
+
     def __init__(self, wait_s: float = 5.0) -> None:
         self.wait_s = wait_s
         self._pending: dict[tuple[int, str], dict] = {}
@@ -25,6 +28,17 @@ class ReplayDetector:
         self.replays_compared = 0
         self.clean_layers: set[str] = set()
         self.outcomes: dict[tuple[int, str], tuple[str, list[int]]] = {}  # (step, layer) -> (status, outliers)
+
+    def observe(self, digest: NodeDigest, now: float) -> None:
+        for st in digest.ranks:
+            if st.replays:
+                self.add(st.rank, st.replays, now)
+
+    def judge(self, view: JobView) -> Judgement:
+        return findings_only(self.update(view.now, view.replicas))
+
+    def close(self) -> Judgement:
+        return Judgement(counters={"replays_compared": self.replays_compared})
 
     def add(self, rank: int, records: list[ReplayRecord], now: float) -> None:
         for rec in records:

@@ -9,15 +9,19 @@ holds corrupted state: silent data corruption, named with the tensor and the ste
 from __future__ import annotations
 
 from trainscout.consensus import vote_exact
+from trainscout.detectors.hpz import is_hpz_record
+from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.detectors.observations import rank_list
 from trainscout.findings import SDC, Finding
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
-    from trainscout.wire.messages import StateRecord
+    from trainscout.wire.messages import NodeDigest, StateRecord
 
 
-class ReplicaStateDetector:
+class ReplicaStateDetector(DetectorBase):
+    name = "state"
+
     def __init__(self, wait_s: float = 5.0, keep_steps: int = 64) -> None:
         self.wait_s = wait_s
         self.keep_steps = keep_steps
@@ -27,6 +31,17 @@ class ReplicaStateDetector:
         self.max_step = 0
         self.step_clean: dict[int, bool] = {}  # step -> every range compared at that step agreed
         self.outliers_at: dict[int, set[int]] = {}  # step -> ranks a strict majority named at that step
+
+    def observe(self, digest: NodeDigest, now: float) -> None:
+        for st in digest.ranks:
+            if st.state:  # the hpZ check's forward/backward weights are the hpZ detector's
+                self.add(st.rank, st.replica_group, [r for r in st.state if not is_hpz_record(r)], now)
+
+    def judge(self, view: JobView) -> Judgement:
+        return findings_only(self.update(view.now, dict(view.members), view.live))
+
+    def close(self) -> Judgement:
+        return Judgement(counters={"state_ranges_compared": self.compared})
 
     def add(self, rank: int, group: str | None, records: list[StateRecord], now: float) -> None:
         for rec in records:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
+from trainscout.detectors.interface import DetectorBase, JobView, Judgement, LinkProbe
 from trainscout.detectors.periodicity import LOOKBACK, regular_period
 from trainscout.detectors.time_split import (
     BLOCKED,
@@ -51,7 +52,7 @@ from trainscout.markers import GPU_UNMEASURED
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
-    from trainscout.wire.messages import LinkRecord, StepRecord
+    from trainscout.wire.messages import LinkRecord, NodeDigest, StepRecord
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ STILL_SLOW_STEPS = 3  # a flagged rank must still be slow over its last few step
 SLOWEST_SHARE = 0.5  # ... and the slowest rank, clear of every other, in at least this share of the window's steps
 
 
-class StragglerDetector:
+class StragglerDetector(DetectorBase):
+    name = "straggler"
+
     def __init__(
         self,
         k: int = 6,
@@ -132,6 +135,29 @@ class StragglerDetector:
         self.compute_measure = "cpu"  # "gpu" once every rank reports GPU times
         self.comm = CommStragglerWatch()
         self.trace: deque = deque(maxlen=400)  # recent (step, metric, samples, outliers), for diagnosis
+
+    def observe(self, digest: NodeDigest, now: float) -> None:
+        for st in digest.ranks:
+            if st.steps:
+                self.add(st.rank, st.steps, now)
+            if st.links:
+                self.add_links(st.rank, st.links, now)
+
+    def judge(self, view: JobView) -> Judgement:
+        self.shared_gpu = view.shared_gpu  # ranks competing for one GPU
+        out = Judgement(findings=self.update(view.now, view.live))
+        wanted = self.comm.take_request()
+        if wanted is not None:
+            pg, members, before_s, now_s = wanted
+
+            def scheduled(request_id: int, step: int, now: float) -> None:
+                self.comm.scheduled(request_id, pg, members, step, before_s, now_s, now)
+
+            out.asks.append(LinkProbe(pg, members, before_s, now_s, scheduled))
+        return out
+
+    def close(self) -> Judgement:
+        return Judgement(events=[("straggler_trace", {"steps": self.trace_rows(), "waits": "per-step"})])
 
     def add(self, rank: int, steps: list[StepRecord], now: float) -> None:
         for rec in steps:

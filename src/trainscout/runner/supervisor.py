@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from trainscout import config
+from trainscout import config, log
 from trainscout.channel.layout import list_channels, remove_run_files
 from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
@@ -83,6 +83,7 @@ class Supervisor:
         self.run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         self.run_dir = run_dir_of(opts, self.run_id)
         os.makedirs(self.run_dir, exist_ok=True)
+        log.setup("supervisor", self.run_dir, level=self.opts.settings.get("TRAINSCOUT_LOG_LEVEL", "INFO"))
         self.events = EventLog(os.path.join(self.run_dir, "events.supervisor.jsonl"))
         secret_hex = os.environ.get("TRAINSCOUT_SECRET")
         if not secret_hex:

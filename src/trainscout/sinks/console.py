@@ -11,7 +11,10 @@ import sys
 import threading
 from typing import TextIO
 
+from trainscout import log
 from trainscout.findings import Finding
+
+_log = log.get("console")  # what the console shows, also in the run's trainscout.log
 
 MAX_STACK_LINES = 25  # a captured stack is a hint, not the whole dump; the report keeps it in full
 PREFIX = "trainscout:"
@@ -87,12 +90,15 @@ class ConsoleSink:
         return self._console is not None
 
     def finding(self, f: Finding) -> None:
+        _log.info("finding: %s", headline(f))
         self._write([(headline(f), "bold red")] + [(line, "") for line in detail_lines(f)])
 
     def info(self, text: str) -> None:
+        _log.info("%s", text)
         self._write([(f"{PREFIX} {text}", "cyan")])
 
     def warn(self, text: str) -> None:
+        _log.warning("%s", text)
         self._write([(f"{PREFIX} warning: {text}", "yellow")])
 
     def _write(self, lines: list[tuple[str, str]]) -> None:
