@@ -369,7 +369,7 @@ def _numpy_view(data: torch.Tensor) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(data.data_ptr()))
 
 
-def _check_range(nbytes: int, start_byte: int, end_byte: int) -> None:
+def check_range(nbytes: int, start_byte: int, end_byte: int) -> None:
     if start_byte % 4:
         raise ValueError(f"start_byte must be a multiple of 4, got {start_byte}")
     if not 0 <= start_byte <= end_byte <= nbytes:
@@ -388,7 +388,7 @@ def fingerprint_range(
     with word indices start_byte/4 + local index and L = end_byte - start_byte. Replicas compare the same
     range with each other; a range fingerprint is not combined into the whole tensor's."""
     data = tensor_bytes(t.cpu() if t.device.type != "cpu" else t)
-    _check_range(int(data.numel()), start_byte, end_byte)
+    check_range(int(data.numel()), start_byte, end_byte)
     piece = data[start_byte:end_byte]
     return fingerprint_bytes(_numpy_view(piece), word_base=start_byte // 4, chunk_words=chunk_words, threads=threads)
 
@@ -416,7 +416,7 @@ class RangeHasher:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("RangeHasher takes a contiguous CPU tensor")
         data = t.detach().reshape(-1).view(torch.uint8)
-        _check_range(int(data.numel()), start_byte, end_byte)
+        check_range(int(data.numel()), start_byte, end_byte)
         self._tensor = t
         self._ptr = t.data_ptr()
         self._storage_nbytes = t.untyped_storage().nbytes()

@@ -261,6 +261,13 @@ def _launches(n_words: int, word_base: int) -> list[tuple[int, int]]:
 
 _scratch: dict[tuple[str, int, int], torch.Tensor] = {}
 _compiled: dict[tuple, Any] = {}  # compiled Triton kernels
+
+
+def kernels_compiled() -> int:
+    """Kernel variants compiled so far (a caller that compiled one does not charge it as a step's cost)."""
+    return len(_compiled)
+
+
 _direct_ok = [True]
 
 
@@ -408,7 +415,7 @@ class PreparedRanges:
         self.max_parts = 1
         sm = _sm_count(self.device.index) if self.device is not None else 1
         for (t, start, end), size in zip(self.items, self._sizes):
-            cpu._check_range(size, start, end)
+            cpu.check_range(size, start, end)
             self._plans.append(self._plan(t, start, end, sm))
 
     def _plan(self, t: torch.Tensor, start: int, end: int, sm: int) -> tuple | None:
@@ -572,7 +579,7 @@ def fingerprint_range_cuda_async(t: torch.Tensor, start_byte: int, end_byte: int
     Ranges starting at a multiple of 16 bytes (of a 16-byte aligned tensor) get 16-byte loads."""
     _check_out(t, out, slot)
     src = _contiguous(t)
-    cpu._check_range(src.numel() * src.element_size(), start_byte, end_byte)
+    cpu.check_range(src.numel() * src.element_size(), start_byte, end_byte)
     with torch.cuda.device(t.device):
         _enqueue(src, start_byte, end_byte - start_byte, start_byte // 4, out, slot)
 

@@ -56,7 +56,7 @@ def install_in_probe(probe) -> None:
             if probe.state_check is not None:
                 probe.state_check.learn_model(module, str(group.group_name), params_only=params_only)
 
-    install(hooks(), declare, probe._error)
+    install(hooks(), declare, probe.report_error)
     earlier = publisher.on_tick
 
     def on_tick() -> None:  # jobs no integration sees still get the side groups marked

@@ -42,6 +42,8 @@ DEVICE_BYTES_PER_S = 1.0e12  # as the state check: H200 reads ~3.5 TB/s, a third
 
 
 class GatherCheck:
+    name = "gather_check"  # its figures' key in the rank's cost report
+
     def __init__(self, append, get_step, register_tensor, period: int = 4, budget: float = 0.005) -> None:
         self.append = append
         self.get_step = get_step
@@ -201,13 +203,13 @@ class GatherCheck:
         slot = self._results.take(unit.prepared.device, len(params))
         if slot is None:
             return 0  # the GPU is far behind: skip (counted as dropped), never wait
-        variants = len(gpu._compiled)
+        variants = gpu.kernels_compiled()
         try:
             unit.prepared.enqueue(slot.device, params)
         except Exception:
             self._results.give_back(slot)
             raise
-        self._compiled_now = len(gpu._compiled) != variants
+        self._compiled_now = gpu.kernels_compiled() != variants
         self._results.submit(slot, len(params), (step, unit.meta))
         self.checked_bytes += unit.prepared.nbytes
         return unit.prepared.nbytes
@@ -215,6 +217,11 @@ class GatherCheck:
     def publish(self) -> int:
         """Append the records of every landed CUDA result, in order; never waits."""
         return self._emit(self._results.ready()) if self._results is not None else 0
+
+    def costs(self) -> dict | None:
+        if not self.modules:
+            return None
+        return {"seconds": self.spent_s, "setup_seconds": self.setup_s, "stride": self.stride, "units": self.modules}
 
     def flush(self, timeout_s: float = 1.0) -> int:
         """Exit paths only: wait up to timeout_s for results still in flight."""

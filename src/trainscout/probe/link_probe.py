@@ -41,6 +41,8 @@ def round_robin(members: list[int]) -> list[dict[int, int]]:
 
 
 class LinkProbe:
+    name = "link_probe"  # its figures' key in the rank's cost report
+
     def __init__(self, append, rank: int, on_error) -> None:
         self.append = append
         self.rank = rank
@@ -48,6 +50,9 @@ class LinkProbe:
         self.request: dict | None = None  # {"id", "step", "members"} from the coordinator
         self.spent_s = 0.0
         self.count = 0
+
+    def costs(self) -> dict | None:
+        return {"seconds": self.spent_s, "count": self.count} if self.count else None
 
     def read_request(self, requests: RequestFile, current_step: int) -> None:
         """Publisher thread: pick up a request the agent wrote, if this rank is probed."""

@@ -68,6 +68,8 @@ MAX_STRIDE = 64  # the CPU gradient test runs at least every 64 steps, whatever 
 
 
 class NonFiniteCheck:
+    name = "nonfinite"  # its figures' key in the rank's cost report
+
     def __init__(self, append, get_step, on_error=None, on_cpu=None, budget: float = 0.001, evidence=None) -> None:
         self.append = append
         # per-step numerical evidence (probe/local_evidence.py): with it, the CPU gradient pass runs every step
@@ -255,6 +257,15 @@ class NonFiniteCheck:
                 self._report("grad", sums[int((~finite).nonzero()[0])][0], step_offset=0)
         except Exception:
             pass
+
+    def costs(self) -> dict:
+        """The end-of-backward gradient check and the CUDA path (not the loss test)."""
+        out: dict = {"seconds": self.spent_s, "setup_seconds": self.setup_s}
+        if self.cpu_checks and self.evidence is None:  # CPU gradients: every `stride` steps (budget)
+            out.update(cpu_checks=self.cpu_checks, stride=self.stride)
+        if self.evidence is not None:  # the same pass measures the loss and layer norms every step
+            out.update(evidence_records=self.evidence.records, layers=len(self.evidence.layers))
+        return out
 
     def flush(self, timeout_s: float = 1.0) -> None:
         """At exit: judge CUDA vectors still in flight (waits up to timeout_s; never in steady state)."""
@@ -464,7 +475,7 @@ class NonFiniteCheck:
             if ptrs is None:
                 return False
             ptrs.insert(0, loss.data_ptr())
-            compiled = len(nonfinite_cuda._compiled)
+            compiled = nonfinite_cuda.kernels_compiled()
             if self._results is None:
                 import torch
 
@@ -479,7 +490,7 @@ class NonFiniteCheck:
             except Exception:
                 self._results.give_back(slot)
                 raise
-            if len(nonfinite_cuda._compiled) != compiled:
+            if nonfinite_cuda.kernels_compiled() != compiled:
                 self._charge = False
             self._results.submit(slot, layout.n_values, (step, self._device_names, layout.owner))
             self.device_checks += 1

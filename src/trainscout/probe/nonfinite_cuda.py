@@ -201,6 +201,11 @@ _compiled: dict[tuple, Any] = {}  # compiled Triton kernels
 _direct_ok = [True]
 
 
+def kernels_compiled() -> int:
+    """How many kernel variants were compiled so far (a check that compiled one is not charged as a step's cost)."""
+    return len(_compiled)
+
+
 def _interpreting() -> bool:
     return not isinstance(_check_kernel, triton.runtime.jit.JITFunction)
 

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from trainscout import config
+from trainscout import config, log
 from trainscout.channel.layout import (
     DESC_BYTES,
     ERROR_PG_INDEX,
@@ -29,6 +29,7 @@ from trainscout.probe import hpz_fix
 from trainscout.probe.hpz_check import HpzCheck
 from trainscout.probe.import_hooks import hooks
 from trainscout.probe.link_probe import LinkProbe
+from trainscout.probe.parts import Flushes, Part
 from trainscout.probe.local_evidence import LocalEvidence
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
@@ -37,6 +38,7 @@ from trainscout.probe.requests import RequestFile
 from trainscout.probe.state_check import StateCheck
 from trainscout.probe.step_timing import StepTiming
 
+_log = log.get("probe")
 STACK_SIGNAL = signal.SIGRTMIN + 5  # the agent sends it to get a faulthandler stack dump
 
 _probe = None
@@ -55,6 +57,7 @@ class Probe:
     ) -> None:
         cfg = settings or config.Config()
         checks = cfg.checks
+        self._log_level = cfg.run.log_level
         self.run_dir = run_dir
         self._inject = inject
         self.run_id = run_id
@@ -65,7 +68,7 @@ class Probe:
         self._primary_optimizer: int | None = None  # id() of the optimizer whose steps count
         self.writer = ChannelWriter(run_id, rank, local_rank, world_size)
         self.injector = self._load_injector()
-        self.tap = CollectiveTap(lambda: self.step, self.injector, self._error)
+        self.tap = CollectiveTap(lambda: self.step, self.injector, self.report_error)
         self.publisher: Publisher | None = Publisher(  # None in a forked child
             self.writer,
             run_id,
@@ -92,7 +95,7 @@ class Probe:
             self.nonfinite = NonFiniteCheck(
                 self.publisher.append_locked,
                 lambda: self.step,
-                on_error=self._error,
+                on_error=self.report_error,
                 on_cpu=self.timing.exclude_cpu,
                 budget=checks.nonfinite.budget,
                 evidence=self.evidence,
@@ -117,13 +120,15 @@ class Probe:
                 lambda name: self.state_check.register(name, None),
                 period=checks.hpz.period,
                 mode_of=self._hpz_mode,
-                on_error=self._error,
+                on_error=self.report_error,
             )
         self.param_names: dict[int, str] = {}
         self.model = None
         self.tap.on_wait = self.timing.add_wait
         self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
-        self.checkpoints = CheckpointHooks(run_id, rank, lambda: self.step, self._error, self.timing.add_checkpoint)
+        self.checkpoints = CheckpointHooks(
+            run_id, rank, lambda: self.step, self.report_error, self.timing.add_checkpoint
+        )
         # At least 200 steps apart, and further when a replay costs more than 0.1 % of the steps between
         # (a replay synchronises with the GPU: ~14 ms on a 10 ms host-bound CUDA step). A replay budget of 0
         # means exactly every `every` steps (tests, short jobs).
@@ -132,7 +137,7 @@ class Probe:
         self._side_group = None  # gloo group over the world with a bounded timeout: replay, link probes
         self.link_probe = None
         if checks.link_probe:
-            self.link_probe = LinkProbe(self.publisher.append_locked, rank, self._error)
+            self.link_probe = LinkProbe(self.publisher.append_locked, rank, self.report_error)
         # from `trainscout replay` or a confirmation the coordinator asked for: {"id", "step", "layers", "state"}
         self._replay_request: dict | None = None
         self._replay_requests = RequestFile(replay_request_path(run_id))
@@ -146,10 +151,11 @@ class Probe:
 
         return FaultInjector.from_env(self.rank, {"TRAINSCOUT_INJECT": self._inject})
 
-    def _error(self, text: str) -> None:
+    def report_error(self, text: str) -> None:
         """An internal error (the check it came from is then off): each one goes to the agent as a ring record,
         in order, so that none overwrites another; the header keeps the last one for a reader of the header."""
         try:
+            _log.warning("%s", text)
             self.errors += 1
             self.writer.set("error_text", text.encode(errors="replace")[:480])
             publisher = getattr(self, "publisher", None)  # errors can come while the parts are being made
@@ -161,6 +167,7 @@ class Probe:
             pass
 
     def start(self) -> None:
+        log.setup("probe", self.run_dir, rank=self.rank, step=lambda: self.step, level=self._log_level)
         exits.install(self.writer, self.pid)
         self._stack_file = open(stack_path(self.run_id, self.rank), "w")
         faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
@@ -186,9 +193,9 @@ class Probe:
         )
         h.on_import("deepspeed.runtime.engine", self._guarded(self.checkpoints.wrap_deepspeed, "checkpoint hook"))
         try:
-            self.hpz_fix = hpz_fix.install(h, self._hpz_fix_mode, on_message=self._error)
+            self.hpz_fix = hpz_fix.install(h, self._hpz_fix_mode, on_message=self.report_error)
         except Exception as exc:
-            self._error(f"hpZ fix not applied: {exc!r}")
+            self.report_error(f"hpZ fix not applied: {exc!r}")
         if self.hpz_check is not None:
             h.on_import("deepspeed.runtime.zero.parameter_offload", self._guarded(self.hpz_check.wrap, "hpZ check"))
         os.register_at_fork(after_in_child=self._forked_child)
@@ -201,34 +208,43 @@ class Probe:
         # Runs before the exit record (atexit is LIFO): publish the last collectives first.
         if self.publisher is None or os.getpid() != self.pid:
             return
-        for check in (self.state_check, self.nonfinite, self.timing):  # CUDA results still in flight
-            try:
-                if check is not None:
-                    check.flush()
-            except Exception:
-                pass
-        if self.hpz_check is not None:  # its CUDA results still in flight
-            try:
-                self.hpz_check.flush()
-            except Exception:
-                pass
+        for part in self.parts():  # CUDA results still in flight
+            if isinstance(part, Flushes) and part is not self.publisher:
+                try:
+                    part.flush()
+                except Exception:
+                    pass
         try:
             self.publisher.poll_collectives(force=True)
         except Exception:
             pass
+
+    def parts(self) -> list:
+        """The checks and recorders this probe composed (those switched on)."""
+        candidates = (
+            self.state_check,
+            self.nonfinite,
+            self.timing,
+            self.hpz_check,
+            self.gather_check,
+            self.replay,
+            self.link_probe,
+            self.publisher,
+        )
+        return [p for p in candidates if p is not None]
 
     def _read_requests(self) -> None:
         if self.link_probe is not None and self._side_group is not None:
             try:
                 self.link_probe.read_request(self._link_requests, self.step)
             except Exception as exc:
-                self._error(f"link probe request unreadable: {exc!r}")
+                self.report_error(f"link probe request unreadable: {exc!r}")
         if self.replay is not None:
             self._read_replay_request()
 
     def _read_replay_request(self) -> None:
         """Publisher thread: pick up a replay request the agent wrote (see coordinator `_replay_on_command`)."""
-        doc = self._replay_requests.take(self.step, lambda text: self._error(f"on-command replay {text}"))
+        doc = self._replay_requests.take(self.step, lambda text: self.report_error(f"on-command replay {text}"))
         if doc is not None:
             layers = [str(x) for x in doc.get("layers") or []] or [str(doc.get("layer") or "")]
             self._replay_request = {
@@ -243,40 +259,10 @@ class Probe:
         out: dict = {"rank": self.rank, "steps": self.step, "step_wall_s": self.timing.total_wall_s}
         if self.tap.functional_recorded:
             out["functional_collectives_recorded"] = self.tap.functional_recorded
-        sc = self.state_check
-        if sc is not None:
-            out["state_check"] = {
-                "seconds": sc.spent_s,
-                "bytes": sc.checked_bytes,
-                "stride": sc.stride,
-                "slots": len(sc._slots),
-                "period_steps": sc.period_steps,
-            }
-        if self.replay is not None:
-            out["replay"] = {
-                "seconds": self.replay.spent_s,
-                "count": self.replay.count,
-                "every": self.replay.every,
-                "interval": self.replay.interval,
-            }
-        if self.link_probe is not None and self.link_probe.count:
-            out["link_probe"] = {"seconds": self.link_probe.spent_s, "count": self.link_probe.count}
-        gc = self.gather_check
-        if gc is not None and gc.modules:
-            out["gather_check"] = {
-                "seconds": gc.spent_s,
-                "setup_seconds": gc.setup_s,
-                "stride": gc.stride,
-                "units": gc.modules,
-            }
-        if self.nonfinite is not None:  # the end-of-backward gradient check and the CUDA path (not the loss test)
-            out["nonfinite"] = {"seconds": self.nonfinite.spent_s, "setup_seconds": self.nonfinite.setup_s}
-            if self.nonfinite.cpu_checks and self.evidence is None:  # CPU gradients: every `stride` steps (budget)
-                out["nonfinite"].update(cpu_checks=self.nonfinite.cpu_checks, stride=self.nonfinite.stride)
-            if self.evidence is not None:  # the same pass measures the loss and layer norms every step
-                out["nonfinite"].update(evidence_records=self.evidence.records, layers=len(self.evidence.layers))
-        if self.publisher is not None and self.publisher.dumps:  # on the probe's thread, not the training thread
-            out["flight_recorder"] = {"seconds": self.publisher.dump_s, "dumps": self.publisher.dumps}
+        for part in self.parts():
+            figures = part.costs() if isinstance(part, Part) else None
+            if figures:
+                out[part.name] = figures
         return out
 
     def _write_costs(self) -> None:
@@ -318,7 +304,7 @@ class Probe:
                         probe._side_group = module.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
                     except Exception as exc:
                         probe.replay = probe.link_probe = None
-                        probe._error(f"replay and link probes disabled (no side group): {exc!r}")
+                        probe.report_error(f"replay and link probes disabled (no side group): {exc!r}")
                 if probe.injector is not None:
                     probe.injector.on_init_process_group()
                 return result
@@ -337,7 +323,7 @@ class Probe:
             destroy_process_group.__doc__ = real_destroy.__doc__
             module.destroy_process_group = destroy_process_group
         except Exception as exc:
-            self._error(f"torch.distributed patching failed: {exc!r}")
+            self.report_error(f"torch.distributed patching failed: {exc!r}")
 
     def _patch_backward(self, autograd_module) -> None:
         """One wrapper around backward for everything the probe does per backward pass: step timing (the end
@@ -388,7 +374,7 @@ class Probe:
             try:
                 fn(module)
             except Exception as exc:
-                self._error(f"{what} disabled: {exc!r}")
+                self.report_error(f"{what} disabled: {exc!r}")
 
         return run
 
@@ -415,7 +401,7 @@ class Probe:
                 probe.model = ddp.module
                 probe._attach_replay(ddp)
             except Exception as exc:
-                probe._error(f"DDP introspection failed: {exc!r}")
+                probe.report_error(f"DDP introspection failed: {exc!r}")
 
         __init__.__wrapped__ = real_init  # type: ignore[attr-defined]
         cls.__init__ = __init__
@@ -440,7 +426,7 @@ class Probe:
             module.register_optimizer_step_pre_hook(self._before_optimizer_step)
             module.register_optimizer_step_post_hook(self._after_optimizer_step)
         except Exception as exc:
-            self._error(f"optimizer hook failed: {exc!r}")
+            self.report_error(f"optimizer hook failed: {exc!r}")
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._primary_optimizer in (None, id(optimizer)) and os.getpid() == self.pid:
@@ -479,7 +465,7 @@ class Probe:
                 self.state_check.after_step(optimizer, self.step, self.timing.last_wall_s)
             except Exception as exc:  # fail open
                 self.state_check = None
-                self._error(f"replicated-state check disabled: {exc!r}")
+                self.report_error(f"replicated-state check disabled: {exc!r}")
         request = self._replay_request
         on_command = request is not None and request["step"] == self.step
         command = request if on_command else None  # the request, when it is for this step
@@ -487,7 +473,7 @@ class Probe:
             try:  # a confirmation: the whole replicated state at this step, on every replica
                 self.state_check.full_check(self.step)
             except Exception as exc:  # fail open
-                self._error(f"whole-state check failed: {exc!r}")
+                self.report_error(f"whole-state check failed: {exc!r}")
         layers = command["layers"] if command is not None else []
         several = len(layers) > 1
         if self.replay is not None and (on_command or self.replay.due(self.step)):
@@ -498,12 +484,12 @@ class Probe:
                     self.replay.run(self.step, on_command=on_command, step_s=self.timing.last_wall_s)
             except Exception as exc:  # fail open
                 self.replay = None
-                self._error(f"replay disabled: {exc!r}")
+                self.report_error(f"replay disabled: {exc!r}")
         if request is not None:
             if self.step >= request["step"]:
                 self._replay_request = None
                 if self.step > request["step"]:  # read too late: the other replicas replayed without us
-                    self._error(
+                    self.report_error(
                         f"on-command replay at step {request['step']} missed (request read at step {self.step})"
                     )
             elif self.replay is not None and len(request["layers"]) > 1:
@@ -517,7 +503,7 @@ class Probe:
                 self.link_probe.run(self.step, self._side_group)
             except Exception as exc:  # fail open
                 self.link_probe = None
-                self._error(f"link probe disabled: {exc!r}")
+                self.report_error(f"link probe disabled: {exc!r}")
 
 
 def _world_group_name() -> str:
@@ -559,6 +545,6 @@ def start() -> Probe | None:
         inject=os.environ.get("TRAINSCOUT_INJECT", ""),
     )
     for problem in problems:  # a hand-set value trainscout run did not check: its default serves
-        _probe._error(problem)
+        _probe.report_error(problem)
     _probe.start()
     return _probe

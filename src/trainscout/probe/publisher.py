@@ -86,6 +86,12 @@ class Publisher(threading.Thread):
         self._collectives_ok = True
         self.on_tick: Callable[[], None] | None = None  # extra work of the probe on this thread (e.g. reading requests)
 
+    name = "flight_recorder"  # its figures' key in the rank's cost report
+
+    def costs(self) -> dict | None:
+        """Flight Recorder dumps, on this thread (not the training thread) but holding the GIL."""
+        return {"seconds": self.dump_s, "dumps": self.dumps} if self.dumps else None
+
     def run(self) -> None:
         w = self.writer
         while not self.stop_event.wait(self.tick_s):

@@ -37,6 +37,8 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
 
 
 class Replay:
+    name = "replay"  # its figures' key in the rank's cost report
+
     def __init__(self, append, every: int, rank: int, budget: float = 0.0) -> None:
         self.append = append
         self.every = max(1, every)
@@ -55,6 +57,9 @@ class Replay:
         self.spent_s = 0.0
         self._broadcast: Callable | None = None
         self._next_index = 0
+
+    def costs(self) -> dict:
+        return {"seconds": self.spent_s, "count": self.count, "every": self.every, "interval": self.interval}
 
     def attach(self, module, group, source: int, broadcast) -> None:
         """module: the replicated model; group: side group of its replicas; broadcast: unwrapped dist.broadcast."""

@@ -30,6 +30,8 @@ _MAX_STRIDE = 1 << 12
 
 
 class StateCheck:
+    name = "state_check"  # its figures' key in the rank's cost report
+
     def __init__(
         self,
         run_id: str,
@@ -74,6 +76,15 @@ class StateCheck:
             self.table.append((name, group))
             self._write_table()
         return tid
+
+    def costs(self) -> dict:
+        return {
+            "seconds": self.spent_s,
+            "bytes": self.checked_bytes,
+            "stride": self.stride,
+            "slots": len(self._slots),
+            "period_steps": self.period_steps,
+        }
 
     def _write_table(self) -> None:
         doc = {

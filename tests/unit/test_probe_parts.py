@@ -1,0 +1,47 @@
+"""probe/parts.py: every part the probe composes reports its cost and flushes through one small contract."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from trainscout.probe import gather_check, hpz_check, link_probe, nonfinite, publisher, replay, state_check, step_timing
+from trainscout.probe.parts import Flushes, Part
+
+PARTS = [
+    state_check.StateCheck,
+    nonfinite.NonFiniteCheck,
+    step_timing.StepTiming,
+    hpz_check.HpzCheck,
+    gather_check.GatherCheck,
+    replay.Replay,
+    link_probe.LinkProbe,
+    publisher.Publisher,
+]
+
+
+@pytest.mark.parametrize("cls", PARTS, ids=lambda c: c.__name__)
+def test_each_part_names_its_figures_and_reports_its_cost(cls):
+    assert isinstance(cls.name, str) and cls.name
+    assert callable(getattr(cls, "costs", None))
+    assert inspect.signature(cls.costs).parameters.keys() == {"self"}
+
+
+def test_the_cost_keys_are_distinct():
+    names = [c.name for c in PARTS]
+    assert len(names) == len(set(names))
+
+
+def test_a_real_replay_and_link_probe_report_what_they_did():
+    records: list = []
+    rp = replay.Replay(lambda *a: records.append(a), every=5, rank=0)
+    assert isinstance(rp, Part)
+    assert rp.costs() == {"seconds": 0.0, "count": 0, "every": 5, "interval": 5}
+    lp = link_probe.LinkProbe(lambda *a: records.append(a), 0, lambda text: None)
+    assert isinstance(lp, Part) and lp.costs() is None  # nothing probed: nothing to say
+
+
+def test_checks_with_results_in_flight_flush():
+    for cls in (state_check.StateCheck, nonfinite.NonFiniteCheck, step_timing.StepTiming, hpz_check.HpzCheck):
+        assert issubclass(cls, Flushes), cls
