@@ -112,9 +112,9 @@ def code_version() -> str:
 
 
 def command_line() -> str:
-    """The command that ran this benchmark, as typed from the repository root."""
-    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
-    return " ".join([".venv/bin/python", shlex.quote(script), *map(shlex.quote, sys.argv[1:])])
+    """The command that ran this benchmark, as typed from the repository root (`python -m benchmarks` puts
+    "benchmarks QUESTION MODE" in argv[0])."""
+    return " ".join([".venv/bin/python", "-m", sys.argv[0], *map(shlex.quote, sys.argv[1:])])
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """ZeRO++ hpZ on 2 GPUs (the GPU machine only; DeepSpeed must be importable, e.g. from carried wheels).
 
-Runs `benchmarks/hpz_race.py --side-by-side` for a few steps: ZeRO-3 without hpZ twice (a run-to-run
+Runs `python -m benchmarks gpu hpz --side-by-side` for a few steps: ZeRO-3 without hpZ twice (a run-to-run
 control), hpZ with DeepSpeed's stall removed (`unsafe`, under `trainscout run`) and hpZ with the
 event-ordered fix (under `trainscout run`), all with a compute-stream sleep before every secondary copy.
 Asserts what the 2x H200 run showed: the control and the event-ordered job are bitwise equal to the
@@ -31,7 +31,10 @@ def test_race_named_and_event_order_bitwise(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            str(REPO / "benchmarks" / "hpz_race.py"),
+            "-m",
+            "benchmarks",
+            "gpu",
+            "hpz",
             "--out",
             str(tmp_path),
             "--side-by-side",

@@ -3,7 +3,7 @@
 DeepSpeed's CPU accelerator runs ZeRO-3 with `zero_hpz_partition_size: 2` over gloo: the forward gathers
 each parameter from the primary partitions, the release after forward fills the secondary partition,
 and the backward gathers from it. The CPU has no streams, so the copy/all-gather race itself cannot
-happen here (the GPU reproduction is `benchmarks/hpz_race.py`); what these jobs check is everything
+happen here (the GPU reproduction is `python -m benchmarks gpu hpz`); what these jobs check is everything
 around it on unmodified DeepSpeed: the probe's forward/backward fingerprints of the gathered weights,
 their way through channel, agent and coordinator, and the verdict. A healthy job stays silent; a job
 whose rank 1 corrupts its own secondary partition at one step (what an unfilled copy looks like to the

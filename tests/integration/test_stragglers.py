@@ -27,7 +27,8 @@ def test_compute_straggler_is_named_with_its_slowdown_and_not_as_communication(t
     assert f["culprit_ranks"] == [2] and f["status"] == "attributed", result.describe()
     # the fault burns 0.3x the CPU its rank measured per step before it fired, which a loaded machine inflates
     assert 1.15 < f["evidence"]["ratio"] < 2.5, result.describe()
-    # named well before the end (the mid tier names 1.2-1.6x in ~33 steps; benchmarks/stragglers.py measures)
+    # named well before the end (the mid tier names 1.2-1.6x in ~33 steps; `python -m benchmarks latency
+    # stragglers` measures)
     assert f["step"] <= 20 + 60, result.describe()
     assert not _stragglers(result, "communication"), result.describe()
     assert [x["kind"] for x in result.findings] == ["straggler"], result.describe()
@@ -43,7 +44,8 @@ def test_communication_straggler_is_named_with_its_group_and_not_as_compute(tmp_
     # its fastest exchange is the injected delay on each of send and recv, the peers' far below
     assert f["evidence"]["ratio"] > 5, result.describe()
     # the slowed rank is not mistaken for a compute straggler (whether a 200-step job on a shared 2-core
-    # machine stays free of any false finding is what benchmarks/clean_runs.py measures, over 20+ runs)
+    # machine stays free of any false finding is what `python -m benchmarks false-positives clean` measures,
+    # over 20+ runs)
     assert all(x["culprit_ranks"] != [1] for x in _stragglers(result, "compute")), result.describe()
     assert {x["kind"] for x in result.findings} == {"straggler"}, result.describe()
     assert any(e["kind"] == "link_probe_requested" for e in result.events), result.describe()

@@ -1,21 +1,21 @@
 """Healthy-path overhead on CUDA: baseline vs trainscout (default checks) vs the peer (lm-resiliency SCOUT).
 
 One invocation runs, per workload, `--reps` rounds of the three sides, interleaved (the order rotates each
-round), each a fresh 2-rank job of benchmarks/gpu_workload.py:
+round), each a fresh 2-rank job of benchmarks/gpu/workload.py:
 
-- baseline:   torchrun --nproc-per-node 2 benchmarks/gpu_workload.py ARGS
-- trainscout: python -m trainscout run --console plain -- torchrun --nproc-per-node 2 benchmarks/gpu_workload.py ARGS
-- peer:       torchrun --nproc-per-node 2 benchmarks/gpu_workload.py ARGS --scout
+- baseline:   torchrun --nproc-per-node 2 benchmarks/gpu/workload.py ARGS
+- trainscout: python -m trainscout run --console plain -- torchrun --nproc-per-node 2 benchmarks/gpu/workload.py ARGS
+- peer:       torchrun --nproc-per-node 2 benchmarks/gpu/workload.py ARGS --scout
               (enable_resiliency(model, optimizer, interval=5, enable_detection=True, enable_checkpoint=False,
                replay=ReplayHarnessConfig(check_interval=5, rotate_layers=True)); GEMINI in-memory
-               checkpointing, on by default, raises on one 2-GPU node, see gpu_workload.py)
+               checkpointing, on by default, raises on one 2-GPU node, see gpu/workload.py)
 
 Per run, rank 0's step times (CUDA events, 40 measured steps after 10 warm-up) give a median and a p95; per
 side the table shows the median of the run medians and the p95 of all measured steps pooled, with ratios
 to the baseline, and each rank's peak GPU memory and host RSS. Raw rows go to `--raw` (JSON lines), the
 section to `--markdown`; `--report RAW...` renders a section from raw files of earlier invocations.
 
-    python3 benchmarks/gpu_overhead.py --workloads a,b,c --reps 3 --raw $OUT/raw.jsonl --markdown $OUT/gpu.md
+    python3 -m benchmarks gpu overhead --workloads a,b,c --reps 3 --raw $OUT/raw.jsonl --markdown $OUT/gpu.md
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from _common import bootstrap_median_ci, free_port, percentile  # noqa: E402
+from benchmarks._common import REPO, bootstrap_median_ci, free_port, percentile
+from benchmarks._demo_job import under_trainscout
 
-WORKLOAD = REPO / "benchmarks" / "gpu_workload.py"
+WORKLOAD = REPO / "benchmarks" / "gpu" / "workload.py"
 SIDES = ("baseline", "trainscout", "peer")
 NPROC = 2  # ranks per job, one GPU each (--nproc)
 STEPS: list[str] = []  # measured steps per run, when not the workload's default 40 (--steps)
@@ -85,20 +84,7 @@ def command(side: str, workload: str, timing: str, run_dir: str, run_id: str) ->
     if side == "peer":
         return job + ["--scout"]
     if side == "trainscout" or side in VARIANTS:
-        return [
-            sys.executable,
-            "-m",
-            "trainscout",
-            "run",
-            "--console",
-            "plain",
-            "--run-dir",
-            run_dir,
-            "--run-id",
-            run_id,
-            "--",
-            *job,
-        ]
+        return under_trainscout(job, Path(run_dir), run_id)
     return job
 
 
@@ -295,8 +281,7 @@ def one_rank_ddp(workload: str):
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(WORKLOAD.parent))
-    import gpu_workload as gw
+    from benchmarks.gpu import workload as gw
 
     ap = argparse.ArgumentParser()
     for flag in ("--hidden", "--layers", "--seq", "--batch"):
@@ -324,9 +309,7 @@ def probe_cost(workload: str, blocks: int, block_steps: int) -> str:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(REPO / "src"))
-    sys.path.insert(0, str(WORKLOAD.parent))
-    import gpu_workload as gw
+    from benchmarks.gpu import workload as gw
 
     from trainscout.probe import state_check as sc_mod
     from trainscout.probe.nonfinite import NonFiniteCheck
@@ -479,7 +462,9 @@ def main() -> int:
         for side in dict.fromkeys(r["side"] for r in rows):  # variants of the earlier invocation
             if side not in SIDES:
                 VARIANTS.setdefault(side, {})
-        text = markdown(rows, [f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label}".rstrip()])
+        text = markdown(
+            rows, [f"## GPU healthy-path overhead (python -m benchmarks gpu overhead) {args.label}".rstrip()]
+        )
         print(text)
         if args.markdown:
             Path(args.markdown).write_text(text)
@@ -515,10 +500,10 @@ def main() -> int:
                     with open(args.raw, "a") as fh:
                         fh.write(json.dumps(row) + "\n")
     header = [
-        f"## GPU healthy-path overhead (benchmarks/gpu_overhead.py) {args.label} — {stamp}".replace("  ", " "),
+        f"## GPU healthy-path overhead (python -m benchmarks gpu overhead) {args.label} — {stamp}".replace("  ", " "),
         "",
         f"- machine: {_machine()}",
-        f"- command: `python3 {' '.join(sys.argv)}`",
+        f"- command: `python3 -m {' '.join(sys.argv)}`",
         f"- {NPROC} rank(s), one GPU each; {args.reps} rounds per workload, sides interleaved (order rotates per round); rank 0's CUDA-event "
         f"step times, {args.steps or 40} measured steps after 10 warm-up per run",
         f"- trainscout env: {extra_env or 'defaults'}; variants: {VARIANTS or 'none'}; "

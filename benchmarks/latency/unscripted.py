@@ -14,35 +14,31 @@ A run is correct when a finding of the expected kind names exactly the faulted r
 other rank. Latency in steps = the first such finding's step - the step the fault started; in seconds = its
 `confirmed` - the fault's `t` (TRAINSCOUT_FAULT_LOG, same host, same clock).
 
-    .venv/bin/python benchmarks/unscripted.py --runs 10
-    .venv/bin/python benchmarks/unscripted.py --runs 10 --device cuda --step-ms 20   # on the GPU machine
+    .venv/bin/python -m benchmarks latency unscripted --runs 10
+    .venv/bin/python -m benchmarks latency unscripted --runs 10 --device cuda --step-ms 20   # on the GPU machine
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
-    PYTHON,
+from benchmarks._common import (
     append_results,
     begin,
     command_line,
     fmt,
-    free_port,
     launch,
-    markdown_table,  # noqa: E402
+    markdown_table,
     median,
     read_jsonl,
     text_table,
     uptime,
 )
+from benchmarks._demo_job import StopWhenFound, train_cmd, under_trainscout
 
 ONSET = 60
 RANK = 2
@@ -77,20 +73,6 @@ CASES: dict[str, tuple[str, str, int, bool]] = {
 }
 
 
-class StopWhenFound:
-    """Called about once a second by launch(): Ctrl-C the run once the expected finding is written."""
-
-    def __init__(self, findings_path: Path, kinds: str) -> None:
-        self.path, self.kinds, self.sent = findings_path, kinds.split(","), False
-
-    def __call__(self, proc) -> None:
-        if not self.sent and any(
-            f.get("kind") in self.kinds and f.get("culprit_ranks") == [RANK] for f in read_jsonl(self.path)
-        ):
-            proc.send_signal(signal.SIGINT)
-            self.sent = True
-
-
 def fault_spec(case: str, step_ms: float) -> str:
     spec = CASES[case][0].format(ten=f"{0.1 * step_ms:.1f}", twice=f"{step_ms:.0f}", tenfold=f"{10 * step_ms:.0f}")
     kind, _, rest = spec.partition(":")
@@ -104,43 +86,19 @@ def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
     run_id = f"uns-{index:02d}-{list(CASES).index(case):02d}"
     fault_log = out / f"{run_id}.faults.jsonl"
     fault_log.unlink(missing_ok=True)
-    cmd = [
-        PYTHON,
-        "-m",
-        "trainscout",
-        "run",
-        "--console",
-        "plain",
-        "--run-dir",
-        str(out),
-        "--run-id",
-        run_id,
-        "--inject",
-        spec,
-        "--",
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(args.nproc),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainscout.demo.train",
-        "--steps",
-        str(steps),
-        "--device",
-        args.device,
-        "--seed",
-        str(index),
-    ]
+    job = train_cmd(args.nproc, steps, "--device", args.device, "--seed", str(index))
+    cmd = under_trainscout(job, out, run_id, "--inject", spec)
     findings_path = out / run_id / "findings.jsonl"
     res = launch(
         cmd,
         out / f"{run_id}.out",
         env={"TRAINSCOUT_FAULT_LOG": str(fault_log)},
         timeout_s=args.timeout,
-        sampler=None if args.run_to_end else StopWhenFound(findings_path, expected),
+        sampler=None
+        if args.run_to_end
+        else StopWhenFound(
+            findings_path, lambda f: f.get("kind") in expected.split(",") and f.get("culprit_ranks") == [RANK]
+        ),
     )
     fired = [e for e in read_jsonl(fault_log) if e.get("rank") == RANK]
     findings = sorted(read_jsonl(findings_path), key=lambda f: f.get("confirmed", 0.0))
@@ -242,7 +200,8 @@ def main() -> int:
     parser.add_argument(
         "--run-to-end",
         action="store_true",
-        help="let each run go to its last step (whole recordings for evidence_replay.py), not stop at the finding",
+        help="let each run go to its last step (whole recordings for `false-positives replay`), "
+        "not stop at the finding",
     )
     parser.add_argument(
         "--max-minutes",
@@ -310,7 +269,7 @@ def main() -> int:
         body.append("")
     if not args.no_record:
         append_results(
-            f"Faults nobody scripted, {args.device} (benchmarks/unscripted.py)",
+            f"Faults nobody scripted, {args.device} (python -m benchmarks latency unscripted)",
             info,
             command_line().replace(str(out), "<out-dir>"),
             "\n".join(body),

@@ -1,7 +1,7 @@
 """Where trainscout's healthy-path overhead goes: CPU per process, and the probe's share inside a rank.
 
-overhead.py says how much slower a step is; this says why. It runs the demo job once without and once with
-trainscout (or only with, --only-trainscout), and meanwhile
+`overhead sliced` / `overhead pairs` say how much slower a step is; this says why. It runs the demo job once
+without and once with trainscout (or only with, --only-trainscout), and meanwhile
   * samples utime+stime of every process of the run from /proc (ranks, torchrun, and on the trainscout side
     the supervisor, agent and coordinator), so the CPU the monitoring processes take from a small machine
     shows up next to the ranks' own;
@@ -10,7 +10,7 @@ trainscout (or only with, --only-trainscout), and meanwhile
     (frames under src/trainscout/) called on the training thread, and the probe's background thread.
 On a 2-core machine running 4 ranks every CPU-second spent outside training lengthens the steps.
 
-    .venv/bin/python benchmarks/overhead_profile.py --steps 600
+    .venv/bin/python -m benchmarks overhead profile --steps 600
 """
 
 from __future__ import annotations
@@ -27,22 +27,21 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
+from benchmarks._common import (
     PYTHON,
     begin,
     REPO,
     append_results,
     command_line,
     fmt,
-    free_port,
-    load1,  # noqa: E402
+    load1,
     markdown_table,
     median,
+    parse_env,
     text_table,
     uptime,
 )
+from benchmarks._demo_job import step_seconds, train_cmd, under_trainscout
 
 PY_SPY = str(Path(PYTHON).parent / "py-spy")
 CLK = os.sysconf("SC_CLK_TCK")
@@ -111,39 +110,8 @@ def _role(pid: int, root: int) -> str:
 def run_once(side: str, args: argparse.Namespace, out: Path) -> dict:
     run_id = f"prof-{side}"
     timing = out / f"{run_id}.steps.txt"
-    job = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainscout.demo.train",
-        "--steps",
-        str(args.steps),
-        "--timing-file",
-        str(timing),
-    ]
-    cmd = (
-        job
-        if side == "base"
-        else [
-            PYTHON,
-            "-m",
-            "trainscout",
-            "run",
-            "--console",
-            "plain",
-            "--run-dir",
-            str(out),
-            "--run-id",
-            run_id,
-            "--",
-            *job,
-        ]
-    )
+    job = train_cmd(4, args.steps, "--timing-file", str(timing))
+    cmd = job if side == "base" else under_trainscout(job, out, run_id)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(args.base_env if side == "base" else args.trainscout_env))
     load_before = load1()
     log = open(out / f"{run_id}.out", "w")
@@ -194,9 +162,7 @@ def run_once(side: str, args: argparse.Namespace, out: Path) -> dict:
     by_role: dict[str, float] = collections.defaultdict(float)
     for pid, value in cpu.items():
         by_role[roles[pid]] += value
-    steps = (
-        [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] if timing.exists() else []
-    )
+    steps = step_seconds(timing)
     return {
         "side": side,
         "code": proc.returncode,
@@ -265,14 +231,6 @@ def _short(frame: str) -> str:
     return f"{name.split('.<locals>.')[-1] if '<locals>' in name else name} ({where.rsplit('/src/', 1)[-1]}"
 
 
-def _env(items: list[str]) -> dict[str, str]:
-    pairs = [item.partition("=") for item in items]
-    bad = [k for k, sep, _ in pairs if not sep]
-    if bad:
-        raise SystemExit(f"expected K=V, got {bad}")
-    return {k: v for k, _, v in pairs}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=600)
@@ -298,7 +256,7 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
-    args.base_env, args.trainscout_env = _env(args.base_env), _env(args.trainscout_env)
+    args.base_env, args.trainscout_env = parse_env(args.base_env), parse_env(args.trainscout_env)
     out, info, up_before = begin("overhead-profile", args.out_dir)
     results = [
         run_once(side, args, out) for side in (("trainscout",) if args.only_trainscout else ("base", "trainscout"))
@@ -354,7 +312,7 @@ def main() -> int:
     print(f"uptime after: {up_after}")
     if not args.no_record:
         append_results(
-            "Overhead breakdown (benchmarks/overhead_profile.py)",
+            "Overhead breakdown (python -m benchmarks overhead profile)",
             info,
             command_line().replace(str(out), "<out-dir>"),
             "\n".join(md),

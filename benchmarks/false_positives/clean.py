@@ -13,7 +13,7 @@ with its own data seed:
 The kinds are interleaved so a burst of load on the shared machine does not fall on one kind only. A run
 passes when it has zero findings and exits 0.
 
-    .venv/bin/python benchmarks/clean_runs.py
+    .venv/bin/python -m benchmarks false-positives clean
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
+from benchmarks._common import (
     PYTHON,
     begin,
     append_results,
@@ -36,39 +34,21 @@ from _common import (
     fmt,
     free_port,
     launch,
-    markdown_table,  # noqa: E402
+    markdown_table,
     median,
     read_jsonl,
     text_table,
     uptime,
 )
+from benchmarks._demo_job import train_cmd, under_trainscout
 
 
 def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str, seed: int = 0) -> list[str]:
     common = ["--console", "plain", "--run-dir", str(out), "--run-id", run_id]
     port = str(free_port())
     if kind in ("plain", "hog", "six"):
-        return [
-            PYTHON,
-            "-m",
-            "trainscout",
-            "run",
-            *common,
-            "--",
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "6" if kind == "six" else "4",
-            "--master-port",
-            port,
-            "-m",
-            "trainscout.demo.train",
-            "--steps",
-            str(args.steps),
-            "--seed",
-            str(seed),
-        ]
+        job = train_cmd("6" if kind == "six" else "4", args.steps, "--seed", str(seed), port=port)
+        return under_trainscout(job, out, run_id)
     if kind == "slow":
         return [
             PYTHON,
@@ -90,29 +70,8 @@ def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str, seed: 
             *common,
         ]
     if kind == "pause":
-        return [
-            PYTHON,
-            "-m",
-            "trainscout",
-            "run",
-            *common,
-            "--",
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "4",
-            "--master-port",
-            port,
-            "-m",
-            "trainscout.demo.train",
-            "--steps",
-            str(args.steps),
-            "--pause-at",
-            str(args.pause_at),
-            "--pause-seconds",
-            f"{args.pause_seconds:g}",
-        ]
+        pause = ["--pause-at", str(args.pause_at), "--pause-seconds", f"{args.pause_seconds:g}"]
+        return under_trainscout(train_cmd(4, args.steps, *pause, port=port), out, run_id)
     raise ValueError(kind)
 
 
@@ -269,7 +228,7 @@ def main() -> int:
     )
     if not args.no_record:
         append_results(
-            "False positives on clean runs (benchmarks/clean_runs.py)",
+            "False positives on clean runs (python -m benchmarks false-positives clean)",
             info,
             command_line().replace(str(out), "<out-dir>"),
             "\n".join(body),

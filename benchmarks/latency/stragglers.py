@@ -7,33 +7,29 @@ the finding's step minus the step the slowdown started; in seconds, the finding'
 fault's `t` in TRAINSCOUT_FAULT_LOG (same host, same clock). A run is correct when its only straggler
 finding has the expected type and names exactly the slowed rank.
 
-    .venv/bin/python benchmarks/stragglers.py --runs 10
+    .venv/bin/python -m benchmarks latency stragglers --runs 10
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
-    PYTHON,
+from benchmarks._common import (
     append_results,
     begin,
     command_line,
     fmt,
-    free_port,
     launch,
-    markdown_table,  # noqa: E402
+    markdown_table,
     median,
     read_jsonl,
     text_table,
     uptime,
 )
+from benchmarks._demo_job import StopWhenFound, train_cmd, under_trainscout
 
 # case -> (fault spec, rank, onset step, steps, expected type, extra demo-script arguments)
 CASES: dict[str, tuple[str, int, int, int, str, list[str]]] = {
@@ -54,23 +50,6 @@ CASES: dict[str, tuple[str, int, int, int, str, list[str]]] = {
 }
 
 
-class StopWhenFound:
-    """Called about once a second by launch(): Ctrl-C the run once the expected finding is written."""
-
-    def __init__(self, findings_path: Path, expected: str) -> None:
-        self.path, self.expected, self.sent = findings_path, expected, False
-
-    def __call__(self, proc) -> None:
-        if self.sent:
-            return
-        if any(
-            f.get("kind") == "straggler" and f.get("evidence", {}).get("type") == self.expected
-            for f in read_jsonl(self.path)
-        ):
-            proc.send_signal(signal.SIGINT)
-            self.sent = True
-
-
 def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
     spec, rank, onset, steps, expected, script_args = CASES[case]
     run_id = f"strag-{index:02d}-{list(CASES).index(case)}-{spec.split(':')[0]}"
@@ -78,40 +57,16 @@ def one_run(case: str, index: int, args: argparse.Namespace, out: Path) -> dict:
     fault_log.unlink(missing_ok=True)
     if "--checkpoint-every" in script_args:
         script_args = [*script_args, "--checkpoint-dir", str(out / run_id / "ckpt")]
-    cmd = [
-        PYTHON,
-        "-m",
-        "trainscout",
-        "run",
-        "--console",
-        "plain",
-        "--run-dir",
-        str(out),
-        "--run-id",
-        run_id,
-        "--inject",
-        spec,
-        "--",
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainscout.demo.train",
-        "--steps",
-        str(steps),
-        *script_args,
-    ]
+    cmd = under_trainscout(train_cmd(4, steps, *script_args), out, run_id, "--inject", spec)
     findings_path = out / run_id / "findings.jsonl"
     res = launch(
         cmd,
         out / f"{run_id}.out",
         env={"TRAINSCOUT_FAULT_LOG": str(fault_log)},
         timeout_s=args.timeout,
-        sampler=StopWhenFound(findings_path, expected),
+        sampler=StopWhenFound(
+            findings_path, lambda f: f.get("kind") == "straggler" and f.get("evidence", {}).get("type") == expected
+        ),
     )
     fired = [e for e in read_jsonl(fault_log) if e.get("rank") == rank]
     findings = sorted(read_jsonl(findings_path), key=lambda f: f.get("confirmed", 0.0))
@@ -215,7 +170,7 @@ def main() -> int:
         body.append("")
     if not args.no_record:
         append_results(
-            "Straggler detection latency (benchmarks/stragglers.py)",
+            "Straggler detection latency (python -m benchmarks latency stragglers)",
             info,
             command_line().replace(str(out), "<out-dir>"),
             "\n".join(body),

@@ -1,6 +1,6 @@
 """ZeRO++ hpZ secondary-partition race on 2 GPUs: reproduce it, name it, fix it, and time the fixes.
 
-Runs `benchmarks/hpz_train.py` (a small GPT under DeepSpeed ZeRO-3, bf16) in these phases, each a fresh
+Runs `benchmarks/gpu/hpz_train.py` (a small GPT under DeepSpeed ZeRO-3, bf16) in these phases, each a fresh
 `torchrun --nproc-per-node 2` job:
 
 1. `ref`    ZeRO-3 without hpZ: the reference losses.
@@ -19,7 +19,7 @@ Runs `benchmarks/hpz_train.py` (a small GPT under DeepSpeed ZeRO-3, bf16) in the
 Writes `hpz_results.json` and `hpz_results.md` (and the jobs' log tails) to --out. `--device cpu` runs
 the same flow on DeepSpeed's CPU accelerator with a tiny model (no race, no timing): a dry run.
 
-    python benchmarks/hpz_race.py --out /tmp/hpz --steps 200 --delay-ms 2
+    python -m benchmarks gpu hpz --out /tmp/hpz --steps 200 --delay-ms 2
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "benchmarks" / "hpz_train.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "benchmarks" / "gpu" / "hpz_train.py"
 SOCKET_ENV = {
     "NCCL_P2P_DISABLE": "1",
     "NCCL_SHM_DISABLE": "1",

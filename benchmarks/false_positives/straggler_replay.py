@@ -8,7 +8,7 @@ arrival order read instead; for them arrival order is read from those medians in
 uses its full window live), so the fine tier can name a rank earlier than it did live. Runs whose trace does
 not start at step 2 (older code kept fewer steps) are skipped.
 
-    .venv/bin/python benchmarks/straggler_replay.py RUN_DIR_PARENT [RUN_DIR_PARENT ...]
+    .venv/bin/python -m benchmarks false-positives straggler-replay RUN_DIR_PARENT [RUN_DIR_PARENT ...]
 """
 
 from __future__ import annotations

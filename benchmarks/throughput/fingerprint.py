@@ -9,8 +9,8 @@ before anything is timed. The methods take turns within each repetition, so a bu
 jobs on a shared machine hits them alike; the figure is the median over repetitions, each repetition
 timing enough calls to last >= 20 ms.
 
-    .venv/bin/python benchmarks/fingerprint_cpu.py                 # table + a section in RESULTS.md
-    .venv/bin/python benchmarks/fingerprint_cpu.py --no-record --reps 3
+    .venv/bin/python -m benchmarks throughput fingerprint                 # table + a section in RESULTS.md
+    .venv/bin/python -m benchmarks throughput fingerprint --no-record --reps 3
 """
 
 from __future__ import annotations
@@ -18,29 +18,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from _common import (
+from benchmarks._common import (
     RESULTS_MD,
     append_results,
     command_line,
     date_utc,
     machine,
-    markdown_table,  # noqa: E402
+    markdown_table,
     median,
     text_table,
     uptime,
 )
 
-try:
-    from trainscout.fingerprint import cpu
-except ImportError:  # run from a checkout without an install: numpy path only
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from trainscout.fingerprint import cpu
+from trainscout.fingerprint import cpu  # python -m benchmarks puts src/ on the path when not installed
 
 MiB = 1 << 20
 
@@ -171,7 +164,7 @@ def main() -> int:
             with RESULTS_MD.open("a") as fh:  # a section written by hand may end without a blank line
                 fh.write("\n")
         append_results(
-            "CPU fingerprint throughput, C kernel vs numpy (benchmarks/fingerprint_cpu.py)",
+            "CPU fingerprint throughput, C kernel vs numpy (python -m benchmarks throughput fingerprint)",
             info,
             command_line(),
             "\n".join(body),

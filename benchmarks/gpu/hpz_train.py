@@ -1,6 +1,6 @@
-"""A small GPT under DeepSpeed ZeRO-3, with or without ZeRO++ hpZ: the workload of benchmarks/hpz_race.py.
+"""A small GPT under DeepSpeed ZeRO-3, with or without ZeRO++ hpZ: the workload of `python -m benchmarks gpu hpz`.
 
-One rank of `torchrun --nproc-per-node N benchmarks/hpz_train.py ...`. An ordinary training script
+One rank of `torchrun --nproc-per-node N benchmarks/gpu/hpz_train.py ...`. An ordinary training script
 (pre-norm blocks, causal attention written out, bf16, AdamW, fixed random tokens per rank and step) plus what the
 hpZ benchmark needs from inside the job:
 

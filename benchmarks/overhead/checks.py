@@ -8,7 +8,7 @@ than one check costs, so the table also gives each rank's own accounting of the 
 the training thread (`probe-cost.rank*.json`, written at exit): that is the number to hold against the
 0.5 % budgets; the A/B ratios bound what the accounting might miss (background threads, cache effects).
 
-    .venv/bin/python benchmarks/check_overhead.py --rounds 3 --steps 300
+    .venv/bin/python -m benchmarks overhead checks --rounds 3 --steps 300
 """
 
 from __future__ import annotations
@@ -18,25 +18,22 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainscout.sinks import probe_costs
 
-from trainscout.sinks import probe_costs  # noqa: E402
-
-from _common import (
-    PYTHON,
+from benchmarks._common import (
     begin,
     CpuSampler,
     append_results,
     command_line,
     fmt,
-    free_port,
-    launch,  # noqa: E402
+    launch,
     markdown_table,
     median,
     read_jsonl,
     text_table,
     uptime,
 )
+from benchmarks._demo_job import step_seconds, train_cmd, under_trainscout
 
 OFF = {"TRAINSCOUT_STATE_CHECK": "0", "TRAINSCOUT_NONFINITE_CHECK": "0", "TRAINSCOUT_REPLAY_EVERY": "0"}
 CONFIGS = {
@@ -53,44 +50,11 @@ def one_run(name: str, env: dict | None, index: int, args, out: Path) -> dict:
     run_id = f"chk-{name.split()[0].replace('-', '')}-{index:02d}"
     timing = out / f"{run_id}.steps.txt"
     timing.unlink(missing_ok=True)
-    job = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(args.nproc),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainscout.demo.train",
-        "--steps",
-        str(args.steps),
-        "--timing-file",
-        str(timing),
-    ]
-    cmd = (
-        job
-        if env is None
-        else [
-            PYTHON,
-            "-m",
-            "trainscout",
-            "run",
-            "--console",
-            "plain",
-            "--run-dir",
-            str(out),
-            "--run-id",
-            run_id,
-            "--",
-            *job,
-        ]
-    )
+    job = train_cmd(args.nproc, args.steps, "--timing-file", str(timing))
+    cmd = job if env is None else under_trainscout(job, out, run_id)
     sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
     res = launch(cmd, out / f"{run_id}.out", env=env or {}, timeout_s=args.timeout, sampler=sampler)
-    steps = (
-        [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] if timing.exists() else []
-    )
+    steps = step_seconds(timing)
     kept = steps[args.warmup :]
     costs = probe_costs.read_reports(str(out / run_id)) if env is not None else []
     findings = read_jsonl(out / run_id / "findings.jsonl") if env is not None else []
@@ -230,7 +194,9 @@ def main() -> int:
     if failed:
         body.append(f"**Runs that failed or wrote no timings:** {failed}")
     if not args.no_record:
-        append_results("Per-check overhead (benchmarks/check_overhead.py)", info, command_line(), "\n".join(body))
+        append_results(
+            "Per-check overhead (python -m benchmarks overhead checks)", info, command_line(), "\n".join(body)
+        )
     return 0 if not failed else 1
 
 

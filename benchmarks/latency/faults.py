@@ -7,7 +7,7 @@ the fault takes effect); the finding's from findings.jsonl ("confirmed", coordin
 same clock). Each run is also checked for correctness: the first finding has the expected kind and names
 exactly rank 2. The bar: <= 10 s per fault.
 
-    .venv/bin/python benchmarks/latency.py --runs 10
+    .venv/bin/python -m benchmarks latency faults --runs 10
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
+from benchmarks._common import (
     PYTHON,
     begin,
     append_results,
@@ -27,7 +25,7 @@ from _common import (
     fmt,
     free_port,
     launch,
-    markdown_table,  # noqa: E402
+    markdown_table,
     median,
     percentile,
     read_jsonl,
@@ -222,7 +220,7 @@ def main() -> int:
     )
     body += ["<details><summary>per run</summary>", "", per_run, "", "</details>"]
     if not args.no_record:
-        append_results("Detection latency (benchmarks/latency.py)", info, command_line(), "\n".join(body))
+        append_results("Detection latency (python -m benchmarks latency faults)", info, command_line(), "\n".join(body))
     print(f"raw rows: {raw}")
     return 0 if not wrong else 1
 

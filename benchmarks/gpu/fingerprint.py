@@ -7,8 +7,8 @@ device-to-device copy (reads and writes; the memory ceiling). It first checks th
 CPU reference, since a fast wrong fingerprint is worse than none.
 
 Run on a CUDA machine, from the repository root, with no install needed:
-    python3 benchmarks/fingerprint_gpu.py            # table; also $OUT/fingerprint_gpu.md if OUT is set
-    python3 benchmarks/fingerprint_gpu.py --sweep    # also time launch configurations (same value each)
+    python3 -m benchmarks gpu fingerprint            # table; also $OUT/fingerprint_gpu.md if OUT is set
+    python3 -m benchmarks gpu fingerprint --sweep    # also time launch configurations (same value each)
 """
 
 from __future__ import annotations
@@ -22,11 +22,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-try:
-    import trainscout.fingerprint  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
@@ -212,7 +207,7 @@ def markdown(
         "",
         f"- device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
         f"triton {triton.__version__}, CUDA {torch.version.cuda}; host {platform.node()}",
-        f"- command: `python3 {' '.join(argv)}`",
+        f"- command: `python3 -m {' '.join(argv)}`",
         f"- defaults: ROWS={gpu.ROWS} NUM_WARPS={gpu.NUM_WARPS} PROGRAMS_PER_SM={gpu.PROGRAMS_PER_SM}",
         "- timing: triton.testing.do_bench median (L2 flushed between runs); bf16 random data; GB/s = bytes "
         "read / time (copy also shown as read+write)",

@@ -7,9 +7,9 @@ DDP job (the demo's own step: forward, backward, AdamW, a logged-loss all-reduce
 steps with the probe's patches in place and with the original functions put back, reading the training
 thread's CPU time around each step. Both sides share one process, its memory layout and the machine's
 moment, so differences of a few microseconds a step show. Not measured here: the probe's own thread (Flight
-Recorder reads) and the agent and coordinator; `overhead_sliced.py` measures the whole job.
+Recorder reads) and the agent and coordinator; `overhead sliced` measures the whole job.
 
-    .venv/bin/python benchmarks/probe_cost.py --blocks 20 --block-steps 50
+    .venv/bin/python -m benchmarks overhead probe --blocks 20 --block-steps 50
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import append_results, begin, command_line, fmt, free_port, markdown_table, median  # noqa: E402
+from benchmarks._common import append_results, begin, command_line, fmt, free_port, markdown_table, median
 
 
 def start_probe() -> object:
@@ -205,7 +203,7 @@ def main() -> int:
             f"per configuration in random order, first 2 steps of a block dropped; uptime before `{up_before}`, done "
             f"{up_after}\n\n{table}\n"
         )
-        title = "Probe cost on the training thread, in-process A/B (benchmarks/probe_cost.py)" + (
+        title = "Probe cost on the training thread, in-process A/B (python -m benchmarks overhead probe)" + (
             f": {args.label}" if args.label else ""
         )
         append_results(title, info, command_line().replace(str(out), "<out-dir>"), body)

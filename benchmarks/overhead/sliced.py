@@ -2,7 +2,7 @@
 
 Sequential A/B runs on a small shared VM differ by 10-30 % between runs of the same job (the host's load
 changes over tens of seconds, and 4 ranks on 2 cores settle into different schedules from run to run), which
-swamps a 1 % effect: `overhead.py` needs hundreds of pairs to bound it. Here both jobs (the same 4-rank gloo
+swamps a 1 % effect: `overhead pairs` needs hundreds of pairs to bound it. Here both jobs (the same 4-rank gloo
 DDP demo, `trainscout.demo.train --timing-file F`, one of them under `trainscout run`) start together; once
 both are past the warm-up, the harness freezes one job's whole process tree with SIGSTOP (ranks, torchrun,
 and on the trainscout side the supervisor, agent and coordinator) while the other runs for --slice seconds,
@@ -21,7 +21,7 @@ harness's own bias and noise; `--a-env` / `--b-env` K=V change one side's settin
 Slices are kept shorter than the coordinator's agent-silence limit (2 s): a frozen tree is frozen whole,
 so trainscout sees a job-wide pause, which it must not report (the run's findings are listed).
 
-    .venv/bin/python benchmarks/overhead_sliced.py --pairs 6 --seconds 120
+    .venv/bin/python -m benchmarks overhead sliced --pairs 6 --seconds 120
 """
 
 from __future__ import annotations
@@ -36,23 +36,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
-    PYTHON,
+from benchmarks._common import (
     REPO,
     append_results,
     begin,
     bootstrap_median_ci,
     command_line,
-    fmt,  # noqa: E402
-    free_port,
+    fmt,
     markdown_table,
     median,
     parse_env,
     read_jsonl,
     uptime,
 )
+from benchmarks._demo_job import step_spans, train_cmd, under_trainscout
 
 BAR = 1.01
 
@@ -67,41 +64,8 @@ class Job:
         self.log = out / f"{self.run_id}.out"
         self.run_dir = out / self.run_id
         self.stop_file = out / f"{self.run_id}.stop"
-        job = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(args.nproc),
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "trainscout.demo.train",
-            "--steps",
-            str(args.steps),
-            "--timing-file",
-            str(self.timing),
-            "--stop-file",
-            str(self.stop_file),
-        ]
-        cmd = (
-            job
-            if side == "base"
-            else [
-                PYTHON,
-                "-m",
-                "trainscout",
-                "run",
-                "--console",
-                "plain",
-                "--run-dir",
-                str(out),
-                "--run-id",
-                self.run_id,
-                "--",
-                *job,
-            ]
-        )
+        job = train_cmd(args.nproc, args.steps, "--timing-file", str(self.timing), "--stop-file", str(self.stop_file))
+        cmd = job if side == "base" else under_trainscout(job, out, self.run_id)
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
         self._log_fh = open(self.log, "w")
         self.proc = subprocess.Popen(
@@ -173,16 +137,7 @@ class Job:
             self._log_fh.close()
 
     def steps(self) -> list[tuple[float, float]]:
-        """(start, end) of each step on the monotonic clock, from rank 0's timing file."""
-        if not self.timing.exists():
-            return []
-        out = []
-        for line in self.timing.read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 2:
-                seconds, end = float(parts[0]), float(parts[1])
-                out.append((end - seconds, end))
-        return out
+        return step_spans(self.timing)
 
 
 def _role(cmdline: list[str]) -> str:
@@ -434,7 +389,7 @@ def main() -> int:
     if failed:
         body.append(f"- **pairs with a failed job: {failed}**")
     if not args.no_record:
-        title = "Healthy-path overhead, time-sliced (benchmarks/overhead_sliced.py)" + (
+        title = "Healthy-path overhead, time-sliced (python -m benchmarks overhead sliced)" + (
             f": {args.label}" if args.label else ""
         )
         append_results(title, info, command_line().replace(str(out), "<out-dir>"), "\n".join(body))

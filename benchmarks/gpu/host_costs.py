@@ -7,21 +7,15 @@ at backward, the end-of-backward launch, judging), and each of its parts by wrap
 then the bare CUDA calls they are made of, in a loop (an event record, a query, a small device-to-pinned
 copy, `current_stream`), and the same step with the check off and on (interleaved blocks; medians).
 
-    python3 benchmarks/gpu_host_costs.py --workload a --steps 300
+    python3 -m benchmarks gpu host-costs --workload a --steps 300
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import types
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def _timed(owner, name: str, acc: dict) -> None:
@@ -56,8 +50,8 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    import gpu_overhead as go
-    import gpu_workload as gw
+    from benchmarks.gpu import overhead as go
+    from benchmarks.gpu import workload as gw
     from trainscout.probe import device_results, nonfinite_cuda
     from trainscout.probe.nonfinite import NonFiniteCheck
 

@@ -7,7 +7,7 @@ a rule change is checked against hundreds of runs in seconds, without rerunning 
 `findings.jsonl` is shown beside it for comparison; a fault log (`<run>.faults.jsonl` next to the run folder,
 or `faults.jsonl` inside it) gives the onset for latency in steps.
 
-    .venv/bin/python benchmarks/evidence_replay.py RUN_DIR_PARENT [RUN_DIR_PARENT ...]
+    .venv/bin/python -m benchmarks false-positives replay RUN_DIR_PARENT [RUN_DIR_PARENT ...]
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ import glob
 import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from trainscout.detectors.numerics import NumericDetector  # noqa: E402
-from trainscout.detectors.straggler import StragglerDetector  # noqa: E402
-from trainscout.sinks.evidence_log import read  # noqa: E402
+from trainscout.detectors.numerics import NumericDetector
+from trainscout.detectors.straggler import StragglerDetector
+from trainscout.sinks.evidence_log import read
 
 
 def replay(evidence_path: str, shared_gpu: bool = False) -> tuple[list[tuple], list[tuple]]:

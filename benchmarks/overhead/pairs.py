@@ -13,7 +13,7 @@ drops the benchmark runs anyway and says so. --trainscout-env / --baseline-env (
 comparison with changed settings, e.g. TRAINSCOUT_PROBE_TICK_S=1.0 to see what the probe's poll interval costs,
 or TORCH_FR_BUFFER_SIZE=2000 on the baseline to isolate the Flight Recorder.
 
-    .venv/bin/python benchmarks/overhead.py --pairs 5 --steps 300
+    .venv/bin/python -m benchmarks overhead pairs --pairs 5 --steps 300
 """
 
 from __future__ import annotations
@@ -24,18 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
-    PYTHON,
+from benchmarks._common import (
     CpuSampler,
     append_results,
     bootstrap_median_ci,
     command_line,
-    date_utc,  # noqa: E402
+    date_utc,
     default_out_dir,
     fmt,
-    free_port,
     launch,
     load1,
     machine,
@@ -47,6 +43,7 @@ from _common import (
     text_table,
     uptime,
 )
+from benchmarks._demo_job import step_seconds, train_cmd, under_trainscout
 
 BAR = 1.01
 
@@ -69,44 +66,11 @@ def one_run(side: str, index: int, args: argparse.Namespace, out: Path, env: dic
     run_id = f"oh-{side}-{index:02d}"
     timing = out / f"{run_id}.steps.txt"
     timing.unlink(missing_ok=True)
-    job = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(args.nproc),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainscout.demo.train",
-        "--steps",
-        str(args.steps),
-        "--timing-file",
-        str(timing),
-    ]
-    cmd = (
-        job
-        if side == "base"
-        else [
-            PYTHON,
-            "-m",
-            "trainscout",
-            "run",
-            "--console",
-            "plain",
-            "--run-dir",
-            str(out),
-            "--run-id",
-            run_id,
-            "--",
-            *job,
-        ]
-    )
+    job = train_cmd(args.nproc, args.steps, "--timing-file", str(timing))
+    cmd = job if side == "base" else under_trainscout(job, out, run_id)
     sampler = CpuSampler(out / f"{run_id}.out", args.warmup)
     res = launch(cmd, out / f"{run_id}.out", env=env, timeout_s=args.timeout, sampler=sampler)
-    steps = (
-        [float(line.split()[0]) for line in timing.read_text().splitlines() if line.strip()] if timing.exists() else []
-    )
+    steps = step_seconds(timing)
     kept = steps[args.warmup :]
     findings = read_jsonl(out / run_id / "findings.jsonl") if side == "trainscout" else []
     return {
@@ -309,7 +273,9 @@ def main() -> int:
     if failed:
         body.append(f"**Runs that failed or wrote no timings:** {failed}")
     if not args.no_record:
-        title = "Healthy-path overhead (benchmarks/overhead.py)" + (f": {args.label}" if args.label else "")
+        title = "Healthy-path overhead (python -m benchmarks overhead pairs)" + (
+            f": {args.label}" if args.label else ""
+        )
         append_results(title, info, command_line().replace(str(out), "<out-dir>"), "\n".join(body))
     return 0 if not failed else 1
 

@@ -1,4 +1,4 @@
-"""A causal language model trained on CUDA with DDP (or FSDP2): the workload of benchmarks/gpu_overhead.py.
+"""A causal language model trained on CUDA with DDP (or FSDP2): the workload of `python -m benchmarks gpu overhead`.
 
 An ordinary training script: vocabulary 256, learned positions, pre-norm blocks (LayerNorm, multi-head
 attention, LayerNorm, 4x MLP), bf16 autocast, AdamW, random tokens, the loss printed every 10 steps.
@@ -9,7 +9,7 @@ timeline includes any time the GPU waited for the host), read once at the end. E
 times, peak GPU memory (`torch.cuda.max_memory_allocated`) and host memory (VmRSS/VmHWM) to
 `--timing-file` with `{rank}` replaced.
 
-    torchrun --nproc-per-node 2 benchmarks/gpu_workload.py --hidden 512 --layers 4 --seq 128 --batch 4
+    torchrun --nproc-per-node 2 benchmarks/gpu/workload.py --hidden 512 --layers 4 --seq 128 --batch 4
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""False positives: healthy runs must stay free of findings (`python -m benchmarks false-positives MODE`)."""

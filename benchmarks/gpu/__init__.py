@@ -1,0 +1,1 @@
+"""GPU: cost, fingerprint speed and the hpZ race on CUDA machines (`python -m benchmarks gpu MODE`)."""

@@ -1,0 +1,1 @@
+"""Overhead: what attaching trainscout costs a healthy job (`python -m benchmarks overhead MODE`)."""

@@ -1,0 +1,1 @@
+"""Throughput: how many bytes a second the fingerprint covers (`python -m benchmarks throughput MODE`)."""
