@@ -44,7 +44,9 @@ DEVICE_BYTES_PER_S = 1.0e12  # as the state check: H200 reads ~3.5 TB/s, a third
 class GatherCheck:
     name = "gather_check"  # its figures' key in the rank's cost report
 
-    def __init__(self, append, get_step, register_tensor, period: int = 4, budget: float = 0.005) -> None:
+    def __init__(
+        self, append, get_step, register_tensor, period: int = 4, budget: float = 0.005, before_check=None
+    ) -> None:
         self.append = append
         self.get_step = get_step
         self.register_tensor = register_tensor  # name -> tensor id in the shared tensor table
@@ -56,7 +58,7 @@ class GatherCheck:
         self.spent_s = 0.0  # host time of steady checks and publishing (the cost report's per-step figure)
         self.setup_s = 0.0  # host time of first checks and checks that compiled a kernel
         self.checked_bytes = 0
-        self.before_check = None  # fault injection point: (module, step) -> None, between gather and check
+        self.before_check = before_check  # fault injection point: (module, step) -> None, between gather and check
         self._results: DeviceResults | None = None  # DeviceResults(int64), made on the first CUDA check
         self._last = (0, 0.0)  # (step, perf_counter) when a pre-hook first saw that step
         self._wall_s = 0.0  # smoothed seconds per step

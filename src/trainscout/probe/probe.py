@@ -77,16 +77,23 @@ class Probe:
             lambda: self.step,
             tick_s=cfg.probe.tick_s,
             buffer_entries=_env_number("TORCH_FR_BUFFER_SIZE", 256),
+            on_tick=self._read_requests,  # the publisher thread starts in start(), once every part exists
         )
+        # the one late binding: the tap and the publisher need each other (records of synchronous collectives)
         self.tap.record_sync = self.publisher.record_sync
         self.state_check = None
         if checks.state.enabled:
             self.state_check = StateCheck(
                 run_id, rank, self.publisher.append_locked, budget=checks.state.budget, period=checks.state.period
             )
-        self.timing = StepTiming(self.publisher.append_locked)
-        self.timing.on_device = self.publisher.set_device
-        self.timing.other_thread_s = lambda: self.publisher.busy_s if self.publisher is not None else 0.0
+        self.timing = StepTiming(
+            self.publisher.append_locked,
+            on_device=self.publisher.set_device,
+            other_thread_s=lambda: self.publisher.busy_s if self.publisher is not None else 0.0,
+        )
+        # the tap reports to the step's timing (collective time is waiting, not compute)
+        self.tap.on_wait = self.timing.add_wait
+        self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
         self.nonfinite = None
         self.evidence = None  # per-step loss and layer gradient norms, measured in the non-finite check's pass
         if checks.nonfinite.enabled:
@@ -107,9 +114,8 @@ class Probe:
                 lambda: self.step,
                 lambda name: self.state_check.register(name, _world_group_name()),
                 period=checks.gather.period,
+                before_check=self.injector.on_gathered if self.injector is not None else None,
             )
-            if self.injector is not None:
-                self.gather_check.before_check = self.injector.on_gathered
         self.hpz_fix: hpz_fix.HpzFix | None = None  # ZeRO++ hpZ: event-ordered secondary partition (probe/hpz_fix.py)
         self._hpz_fix_mode = checks.hpz.fix
         self.hpz_check = None
@@ -124,8 +130,6 @@ class Probe:
             )
         self.param_names: dict[int, str] = {}
         self.model = None
-        self.tap.on_wait = self.timing.add_wait
-        self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
         self.checkpoints = CheckpointHooks(
             run_id, rank, lambda: self.step, self.report_error, self.timing.add_checkpoint
         )
@@ -142,7 +146,6 @@ class Probe:
         self._replay_request: dict | None = None
         self._replay_requests = RequestFile(replay_request_path(run_id))
         self._link_requests = RequestFile(link_probe_request_path(run_id))
-        self.publisher.on_tick = self._read_requests
 
     def _load_injector(self):
         if not self._inject:

@@ -48,6 +48,7 @@ class Publisher(threading.Thread):
         get_step,
         tick_s: float = 0.5,
         buffer_entries: int = 256,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="trainscout-probe", daemon=True)
         self.writer = writer
@@ -84,7 +85,7 @@ class Publisher(threading.Thread):
         self._collectives = 0
         self._mismatch = 0
         self._collectives_ok = True
-        self.on_tick: Callable[[], None] | None = None  # extra work of the probe on this thread (e.g. reading requests)
+        self.on_tick = on_tick  # extra work of the probe on this thread (e.g. reading requests)
 
     name = "flight_recorder"  # its figures' key in the rank's cost report
 

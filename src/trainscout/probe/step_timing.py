@@ -78,13 +78,18 @@ class RunQueueClock:
 class StepTiming:
     name = "step_timing"  # its figures' key in the rank's cost report
 
-    def __init__(self, append) -> None:
+    def __init__(
+        self,
+        append,
+        *,
+        on_device: Callable[[str], None] | None = None,
+        other_thread_s: Callable[[], float] | None = None,
+    ) -> None:
         self.append = append
         self._wall = time.perf_counter()
         self._cpu = time.thread_time()
-        self.on_device: Callable[[str], None] | None = None  # told the CUDA device's UUID once the loss is seen on one
-        # () -> cumulative seconds the probe's own thread worked (GIL held)
-        self.other_thread_s: Callable[[], float] | None = None
+        self.on_device = on_device  # told the CUDA device's UUID once the loss is seen on one
+        self.other_thread_s = other_thread_s  # () -> cumulative seconds the probe's own thread worked (GIL held)
         self._other_last = 0.0
         self._runq: RunQueueClock | None = None  # opened on the training thread, at its first step
         self._runq_last: float | None = None
