@@ -426,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg_cmd.add_argument("--markdown", action="store_true", help="print the settings reference (docs/configuration.md)")
     report = sub.add_parser("report", help="print the summary of a finished run")
     report.add_argument("run_dir", help="runs/<run-id>")
+    report.add_argument(
+        "--html", action="store_true", help="write report.html (charts) in the run folder, print its path"
+    )
     args = parser.parse_args(argv)
 
     if args.cmd == "run":
@@ -456,6 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         return list_main(args.dir, sys.stdout)
     if args.cmd == "replay":
         return _request_replay(args.run_dir, args.layer)
+    if args.cmd == "report" and args.html:
+        from trainscout.sinks.report_html import write_report
+
+        if not os.path.isdir(args.run_dir):
+            print(f"trainscout: no run folder {args.run_dir}", file=sys.stderr)
+            return 2
+        print(write_report(args.run_dir))
+        return 0
     if args.cmd == "report":
         path = os.path.join(args.run_dir, "summary.md")
         if not os.path.exists(path):

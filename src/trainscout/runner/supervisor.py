@@ -23,7 +23,7 @@ from trainscout.channel.layout import list_channels, remove_run_files
 from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
 from trainscout.runner.launcher_log import worker_exits
-from trainscout.sinks import ConsoleSink, EventLog, probe_costs, write_summary
+from trainscout.sinks import ConsoleSink, EventLog, probe_costs, report_html, write_summary
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
 
@@ -347,6 +347,7 @@ class Supervisor:
             started=self.started,
             ended=time.time(),
         )
+        report_html.write_report_at_exit(self.run_dir)
         n = len(findings)
         self.console.info(f"{n} finding{'s' if n != 1 else ''}; report: {os.path.join(self.run_dir, 'summary.md')}")
 
