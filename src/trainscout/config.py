@@ -104,6 +104,26 @@ class Run:
         flag="--console",
         doc="finding output style (auto: rich on a terminal, plain lines otherwise)",
     )
+    metrics_port: int = setting(
+        0,
+        "TRAINSCOUT_METRICS_PORT",
+        low=0,
+        high=65535,
+        flag="--metrics-port",
+        doc="serve Prometheus metrics on this TCP port of the coordinator (0: off; needs trainscout[metrics])",
+    )
+    metrics_addr: str = setting(
+        "127.0.0.1",
+        "TRAINSCOUT_METRICS_ADDR",
+        flag="--metrics-addr",
+        doc="address the metrics endpoint binds (0.0.0.0: every interface, for a Prometheus on another host)",
+    )
+    notify: str = setting(
+        "",
+        "TRAINSCOUT_NOTIFY",
+        flag="--notify",
+        doc="comma-separated http(s) URLs each finding is POSTed to as JSON with a chat `text` line",
+    )
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,9 @@ from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINI
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
+from trainscout.sinks import metrics as run_metrics
 from trainscout.sinks.evidence_log import EvidenceLog
+from trainscout.sinks.notify import Notifier, notify_urls
 from trainscout.wire.endpoints import CoordinatorEndpoint
 from trainscout.wire.messages import (
     Command,
@@ -107,6 +109,9 @@ class Coordinator:
         stack_timeout_s: float = 4.0,
         agent_silence_s: float = 3.0,
         gpu_stragglers: bool = True,
+        metrics_port: int = 0,
+        metrics_addr: str = "127.0.0.1",
+        notify: list[str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.console = console
@@ -154,6 +159,15 @@ class Coordinator:
         self._next_trust = 0.0
         self._last_trust = ""
         self.stop = False
+        # optional outputs: Prometheus metrics (--metrics-port) and findings posted to webhooks (--notify)
+        self.metrics = (
+            run_metrics.start(metrics_port, metrics_addr, console.info, console.warn, self.events)
+            if metrics_port
+            else None
+        )
+        self.notifier = (
+            Notifier(notify, self.events, console.warn, run_id=os.path.basename(run_dir)) if notify else None
+        )
 
     # ---- messages -------------------------------------------------------------------------
     def handle(self, identity: bytes, msg, now: float) -> None:
@@ -305,6 +319,8 @@ class Coordinator:
         self._flush_due(now)
         self._publish_trust(now)
         self._track_topology()
+        if self.metrics:
+            self.metrics.on_pass(self.ranks, live, self.nodes)
 
     def _track_topology(self) -> None:
         """Which groups exist and which ranks are replicas: topology.json, an event, a console line."""
@@ -650,6 +666,10 @@ class Coordinator:
         self.findings_sink.finding(finding)
         self.events.write("finding", finding_kind=finding.kind, culprits=finding.culprit_ranks, summary=finding.summary)
         self.console.finding(finding)
+        if self.metrics:
+            self.metrics.on_finding(finding)
+        if self.notifier:
+            self.notifier.notify(finding)
         if finding.kind in self.abort_on and not self.aborting:
             self.abort(f"{finding.kind} found")
 
@@ -756,6 +776,8 @@ class Coordinator:
         self._flush_due(now)
         for f in self.confirmations.abandon():
             self.emit(f, now)
+        if self.notifier:
+            self.notifier.close()  # a short, bounded drain of the posts still pending
         self.events.write("straggler_trace", steps=self.straggler.trace_rows(), waits="per-step")
         self.events.write(
             "coordinator_exit",
@@ -766,6 +788,8 @@ class Coordinator:
         )
         self.evidence_log.close()
         self.endpoint.close()
+        if self.metrics:
+            self.metrics.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -783,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = CoordinatorEndpoint(args.bind, secret)
     rich = {"auto": None, "rich": True, "plain": False}[args.console]
     console = ConsoleSink(sys.stdout, rich=rich)
+    settings = config.from_environ()[0]
     coord = Coordinator(
         endpoint,
         args.run_dir,
@@ -790,7 +815,10 @@ def main(argv: list[str] | None = None) -> int:
         hang_timeout_s=args.hang_timeout,
         stall_timeout_s=args.stall_timeout,
         abort_on={k for k in args.abort_on.split(",") if k},
-        gpu_stragglers=config.from_environ()[0].stragglers.gpu,
+        gpu_stragglers=settings.stragglers.gpu,
+        metrics_port=settings.run.metrics_port,
+        metrics_addr=settings.run.metrics_addr,
+        notify=notify_urls(settings.run.notify, console.warn),
     )
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:
