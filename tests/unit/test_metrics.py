@@ -137,3 +137,31 @@ def test_the_flag_without_prometheus_client_stops_the_run_with_how_to_install_it
     assert out.returncode == 2, out.stderr
     assert "--metrics-port needs prometheus-client: pip install 'trainscout[metrics]'" in out.stderr
     assert not list(tmp_path.iterdir())  # refused before any run folder was made
+
+
+def test_a_port_in_use_leaves_the_run_without_metrics_and_says_so(tmp_path):
+    import socket
+
+    from trainscout.sinks.metrics import start
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        warnings: list[str] = []
+        events = EventLog(tmp_path / "events.jsonl")
+        assert start(port, "127.0.0.1", print, warnings.append, events) is None
+    assert len(warnings) == 1 and f"cannot listen on 127.0.0.1:{port}" in warnings[0]
+    assert '"kind":"metrics_failed"' in (tmp_path / "events.jsonl").read_text()
+    assert events.observers == []
+
+
+def test_docs_list_every_metric(served):
+    from pathlib import Path
+
+    m, url = served
+    m.on_pass({r: _obs(r, 3, [0.1], loss=1.0 + r) for r in range(2)}, live={0, 1}, nodes={})
+    m.on_finding(Finding(kind="hang", summary="h", culprit_ranks=[1]))
+    names = {name for name in _scrape(url) if not name.endswith("_created")}
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    assert len(names) == 21 and not [n for n in names if f"| `{n}` |" not in docs]
