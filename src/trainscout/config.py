@@ -118,6 +118,12 @@ class Run:
         flag="--metrics-addr",
         doc="address the metrics endpoint binds (0.0.0.0: every interface, for a Prometheus on another host)",
     )
+    metrics_max_ranks: int = setting(
+        512,
+        "TRAINSCOUT_METRICS_MAX_RANKS",
+        low=0,
+        doc="ranks given per-rank metric series: all up to this many, else this many of the slowest",
+    )
     notify: str = setting(
         "",
         "TRAINSCOUT_NOTIFY",

@@ -164,4 +164,19 @@ def test_docs_list_every_metric(served):
     m.on_finding(Finding(kind="hang", summary="h", culprit_ranks=[1]))
     names = {name for name in _scrape(url) if not name.endswith("_created")}
     docs = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
-    assert len(names) == 21 and not [n for n in names if f"| `{n}` |" not in docs]
+    assert len(names) == 22 and not [n for n in names if f"| `{n}` |" not in docs]
+
+
+def test_a_large_job_gets_series_for_its_slowest_ranks_and_aggregates_over_all():
+    m = RunMetrics(max_ranks=2)
+    url = m.serve(0, "127.0.0.1")
+    try:
+        walls = {0: 0.1, 1: 0.3, 2: 0.1, 3: 0.2, 4: 0.1}
+        m.on_pass({r: _obs(r, 5, [w]) for r, w in walls.items()}, live=set(walls), nodes={})
+        got = _scrape(url)
+    finally:
+        m.close()
+    assert got["trainscout_rank_step_seconds"] == pytest.approx({(("rank", "1"),): 0.3, (("rank", "3"),): 0.2})
+    assert set(got["trainscout_rank_up"]) == {(("rank", "1"),), (("rank", "3"),)}
+    assert got["trainscout_ranks_exported"][()] == 2 and got["trainscout_ranks_seen"][()] == 5
+    assert got["trainscout_step_seconds_median"][()] == pytest.approx(0.1)  # over every rank

@@ -111,6 +111,7 @@ class Coordinator:
         gpu_stragglers: bool = True,
         metrics_port: int = 0,
         metrics_addr: str = "127.0.0.1",
+        metrics_max_ranks: int = 512,
         notify: list[str] | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -161,7 +162,7 @@ class Coordinator:
         self.stop = False
         # optional outputs: Prometheus metrics (--metrics-port) and findings posted to webhooks (--notify)
         self.metrics = (
-            run_metrics.start(metrics_port, metrics_addr, console.info, console.warn, self.events)
+            run_metrics.start(metrics_port, metrics_addr, console.info, console.warn, self.events, metrics_max_ranks)
             if metrics_port
             else None
         )
@@ -818,6 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_stragglers=settings.stragglers.gpu,
         metrics_port=settings.run.metrics_port,
         metrics_addr=settings.run.metrics_addr,
+        metrics_max_ranks=settings.run.metrics_max_ranks,
         notify=notify_urls(settings.run.notify, console.warn),
     )
     addr_file = os.path.join(args.run_dir, "coordinator.addr")

@@ -12,6 +12,7 @@ prometheus-client is optional (`pip install 'trainscout[metrics]'`); `available(
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 import threading
@@ -52,20 +53,18 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def figures_of(obs: RankObs, before: RankFigures | None) -> RankFigures:
-    """The figures a digest brings; what it does not carry (no step ended meanwhile) stays as it was."""
-    st = obs.state
-    steps = [r for r in st.steps if r.wall_s > 0]
-    losses = [n.loss for n in st.numerics if math.isfinite(n.loss)]
-    nan = math.nan
+def figures_of(latest: RankObs, with_steps: RankObs | None, with_loss: RankObs | None) -> RankFigures:
+    """A rank's figures from its latest digest, the latest one that carried steps and the latest with a loss."""
+    steps = [r for r in with_steps.state.steps if r.wall_s > 0] if with_steps is not None else []
+    losses = [n.loss for n in with_loss.state.numerics if math.isfinite(n.loss)] if with_loss is not None else []
     return RankFigures(
-        step=st.step,
-        step_s=_mean([r.wall_s for r in steps]) if steps else (before.step_s if before else nan),
-        wait_s=_mean([r.wait_s for r in steps]) if steps else (before.wait_s if before else nan),
-        probe_s=_mean([r.probe_thread_s for r in steps]) if steps else (before.probe_s if before else nan),
-        loss=losses[-1] if losses else (before.loss if before else nan),
-        progress_age_s=st.progress_age_s,
-        seen_at=obs.seen_at,
+        step=latest.state.step,
+        step_s=_mean([r.wall_s for r in steps]),
+        wait_s=_mean([r.wait_s for r in steps]),
+        probe_s=_mean([r.probe_thread_s for r in steps]),
+        loss=losses[-1] if losses else math.nan,
+        progress_age_s=latest.state.progress_age_s,
+        seen_at=latest.seen_at,
     )
 
 
@@ -78,28 +77,49 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return median, top, (top / median if median > 0 else math.nan)
 
 
+def exported_ranks(ranks: Mapping[int, RankFigures], limit: int) -> list[int]:
+    """The ranks given series of their own, in rank order: all of them up to `limit`, else the `limit` slowest
+    by step time (per-rank series cost each scrape ~10 us a sample, and a 10k-rank job's are of little use
+    beyond its outliers; the job-wide gauges still cover every rank)."""
+    if len(ranks) <= limit:
+        return sorted(ranks)
+    slowest = heapq.nlargest(
+        limit, ranks, key=lambda r: (ranks[r].step_s if math.isfinite(ranks[r].step_s) else -1.0, -r)
+    )
+    return sorted(slowest)
+
+
 class JobView:
-    """What the metrics say about the job, updated by detection passes and read by scrapes (another thread)."""
+    """What the metrics say about the job, updated by detection passes and read by scrapes (another thread).
+
+    A pass only keeps references to the digests (one identity check per rank); figures are computed when a
+    scrape asks, typically every 5-15 s rather than every pass."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.ranks: dict[int, RankFigures] = {}
+        self.latest: dict[int, RankObs] = {}
+        self.with_steps: dict[int, RankObs] = {}  # a digest without a finished step keeps the last step time
+        self.with_loss: dict[int, RankObs] = {}
         self.live: set[int] = set()
         self.agents_silent = 0
-        self._digests: dict[int, RankObs] = {}  # the digest each rank's figures came from
 
     def update(self, ranks: Mapping[int, RankObs], live: set[int], agents_silent: int) -> None:
         with self.lock:
             for rank, obs in ranks.items():
-                if self._digests.get(rank) is not obs:
-                    self._digests[rank] = obs
-                    self.ranks[rank] = figures_of(obs, self.ranks.get(rank))
+                if self.latest.get(rank) is not obs:
+                    self.latest[rank] = obs
+                    if obs.state.steps:
+                        self.with_steps[rank] = obs
+                    if obs.state.numerics:
+                        self.with_loss[rank] = obs
             self.live = set(live)
             self.agents_silent = agents_silent
 
     def snapshot(self) -> tuple[dict[int, RankFigures], set[int], int]:
         with self.lock:
-            return dict(self.ranks), set(self.live), self.agents_silent
+            digests = [(r, o, self.with_steps.get(r), self.with_loss.get(r)) for r, o in self.latest.items()]
+            live, silent = set(self.live), self.agents_silent
+        return {r: figures_of(o, s, n) for r, o, s, n in digests}, live, silent
 
 
 # name, help, the RankFigures field (per-rank gauges)
@@ -123,10 +143,11 @@ RANK_GAUGES = (
 class RunMetrics:
     """The run's metrics in a registry of their own; `serve` exposes them over HTTP."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_ranks: int = 512, clock: Callable[[], float] = time.monotonic) -> None:
         from prometheus_client import CollectorRegistry, Counter
 
         self.clock = clock
+        self.max_ranks = max_ranks  # ranks with series of their own (see exported_ranks)
         self.view = JobView()
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
@@ -201,7 +222,7 @@ class _ViewCollector:
 
         ranks, live, silent = self.metrics.view.snapshot()
         now = self.metrics.clock()
-        order = sorted(ranks)
+        order = exported_ranks(ranks, self.metrics.max_ranks)
         for name, doc, attr in RANK_GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["rank"])
             for r in order:
@@ -220,7 +241,7 @@ class _ViewCollector:
             up.add_metric([str(r)], 1.0 if r in live else 0.0)
         yield age
         yield up
-        median, top, ratio = spread([ranks[r].step_s for r in order if r in live])
+        median, top, ratio = spread([f.step_s for r, f in ranks.items() if r in live])
         for name, doc, value in (
             ("trainscout_step_seconds_median", "Median across live ranks of their seconds per step", median),
             ("trainscout_step_seconds_max", "Slowest live rank's seconds per step", top),
@@ -228,7 +249,7 @@ class _ViewCollector:
         ):
             if math.isfinite(value):
                 yield GaugeMetricFamily(name, doc, value=value)
-        losses = [ranks[r].loss for r in order if r in live and math.isfinite(ranks[r].loss)]
+        losses = [f.loss for r, f in ranks.items() if r in live and math.isfinite(f.loss)]
         if len(losses) > 1:
             yield GaugeMetricFamily(
                 "trainscout_loss_spread",
@@ -237,6 +258,9 @@ class _ViewCollector:
             )
         yield GaugeMetricFamily("trainscout_ranks_seen", "Ranks that ever reported", value=len(ranks))
         yield GaugeMetricFamily("trainscout_ranks_live", "Ranks alive whose agent is reporting", value=len(live))
+        yield GaugeMetricFamily(
+            "trainscout_ranks_exported", "Ranks with per-rank series (all, or the slowest)", value=len(order)
+        )
         yield GaugeMetricFamily("trainscout_agents_silent", "Agents silent right now", value=silent)
         yield CounterMetricFamily(
             "trainscout_coordinator_cpu_seconds", "CPU seconds the coordinator process used", value=time.process_time()
@@ -244,7 +268,12 @@ class _ViewCollector:
 
 
 def start(
-    port: int, addr: str, info: Callable[[str], None], warn: Callable[[str], None], events: Any
+    port: int,
+    addr: str,
+    info: Callable[[str], None],
+    warn: Callable[[str], None],
+    events: Any,
+    max_ranks: int = 512,
 ) -> RunMetrics | None:
     """The coordinator's metrics, served on addr:port; None (with a warning and an event) if they cannot be:
     monitoring goes on without them."""
@@ -252,7 +281,7 @@ def start(
         warn(f"metrics not served: {INSTALL_HINT} is not installed")
         events.write("metrics_failed", reason="prometheus-client not installed")
         return None
-    metrics = RunMetrics()
+    metrics = RunMetrics(max_ranks)
     try:
         url = metrics.serve(port, addr)
     except OSError as exc:
