@@ -85,7 +85,10 @@ def test_metrics_are_served_while_a_straggler_job_runs(tmp_path, jobs):
     assert steps_seen is not None, f"no step time for every rank in {scraped}\n{output[-4000:]}"
     assert found is not None, f"no straggler counted in {scraped}\n{output[-4000:]}"
     step_s = steps_seen["trainscout_rank_step_seconds"]
-    assert sorted(step_s) == [(r,) for r in RANKS] and all(0 < v < 10 for v in step_s.values()), step_s
+    assert sorted(step_s) == [(r,) for r in RANKS] and all(v > 0 for v in step_s.values()), step_s
+    # by the finding, every rank's gauge follows its steps of the moment (the first step's also held start-up)
+    step_s = found["trainscout_rank_step_seconds"]
+    assert sorted(step_s) == [(r,) for r in RANKS] and all(0 < v < 5 for v in step_s.values()), step_s
     assert set(steps_seen["trainscout_rank_collective_wait_seconds"]) == {(r,) for r in RANKS}
     assert steps_seen["trainscout_ranks_live"][()] == 4 and steps_seen["trainscout_ranks_seen"][()] == 4
     assert steps_seen["trainscout_step_seconds_median"][()] > 0
