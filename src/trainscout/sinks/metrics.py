@@ -2,10 +2,11 @@
 
 The coordinator calls `RunMetrics.on_finding` for each finding it emits and `RunMetrics.on_pass` once per
 detection pass with the ranks' latest digests; the events it writes (agents lost, its own stalls, failed
-alerts) reach `on_event` through the event log. Per-rank figures are kept as plain values and turned into
-metric families only when Prometheus scrapes: a pass costs one dictionary update per rank whose digest is
-new, whatever the scrape interval. Everything lives in a registry of its own (not prometheus-client's global
-one), so nothing else in the process adds to it. docs/metrics.md lists every metric.
+alerts) reach `on_event` through the event log. A pass only keeps a reference to each rank's newest digest;
+per-rank figures and metric families are computed when Prometheus scrapes, and per-rank series are capped
+(`exported_ranks`), so a large job costs the detection loop little whatever the scrape interval. Everything
+lives in a registry of its own (not prometheus-client's global one), so nothing else in the process adds to it.
+docs/metrics.md lists every metric.
 
 prometheus-client is optional (`pip install 'trainscout[metrics]'`); `available()` says whether it is here.
 """
