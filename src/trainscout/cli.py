@@ -113,6 +113,22 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="least severe line written to runs/<id>/trainscout.log (default INFO)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics at http://ADDR:N/metrics while the job runs (default 0: off; "
+        "needs trainscout[metrics]; docs/metrics.md)",
+    )
+    p.add_argument("--metrics-addr", default=None, metavar="ADDR", help="address the metrics bind (default 127.0.0.1)")
+    p.add_argument(
+        "--notify",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="POST each finding as JSON (with a chat `text` line) to this webhook; repeat or comma-separate",
+    )
 
 
 def _flag_settings(args) -> dict:
@@ -125,7 +141,23 @@ def _flag_settings(args) -> dict:
         "run.stack_method": args.stack_method,
         "run.console": args.console,
         "run.log_level": args.log_level,
+        "run.metrics_port": args.metrics_port,
+        "run.metrics_addr": args.metrics_addr,
+        "run.notify": ",".join(args.notify) if args.notify else None,
     }
+
+
+def _outputs_problem(cfg: config.Config) -> str | None:
+    """Why the metrics or alert settings cannot work (None: they can), told before the job starts."""
+    from trainscout.sinks import metrics, notify
+
+    if cfg.run.metrics_port and not metrics.available():
+        return f"--metrics-port needs prometheus-client: {metrics.INSTALL_HINT}"
+    try:
+        notify.parse_urls(cfg.run.notify)
+    except ValueError as exc:
+        return f"bad --notify: {exc}"
+    return None
 
 
 def _launcher_node_rank(command: list[str]) -> int | None:
@@ -162,6 +194,10 @@ def _run(args, command: list[str], on_done=None) -> int:
         print(f"trainscout: bad setting: {exc}", file=sys.stderr)
         return 2
     args.effective = cfg
+    problem = _outputs_problem(cfg)
+    if problem:
+        print(f"trainscout: {problem}", file=sys.stderr)
+        return 2
     from trainscout.findings import KINDS
 
     abort_on = [k for k in cfg.run.abort_on.split(",") if k]

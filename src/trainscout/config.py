@@ -111,6 +111,32 @@ class Run:
         flag="--log-level",
         doc="least severe line written to runs/<id>/trainscout.log (every process, with its rank and step)",
     )
+    metrics_port: int = setting(
+        0,
+        "TRAINSCOUT_METRICS_PORT",
+        low=0,
+        high=65535,
+        flag="--metrics-port",
+        doc="serve Prometheus metrics on this TCP port of the coordinator (0: off; needs trainscout[metrics])",
+    )
+    metrics_addr: str = setting(
+        "127.0.0.1",
+        "TRAINSCOUT_METRICS_ADDR",
+        flag="--metrics-addr",
+        doc="address the metrics endpoint binds (0.0.0.0: every interface, for a Prometheus on another host)",
+    )
+    metrics_max_ranks: int = setting(
+        512,
+        "TRAINSCOUT_METRICS_MAX_RANKS",
+        low=0,
+        doc="ranks given per-rank metric series: all up to this many, else this many of the slowest",
+    )
+    notify: str = setting(
+        "",
+        "TRAINSCOUT_NOTIFY",
+        flag="--notify",
+        doc="comma-separated http(s) URLs each finding is POSTed to as JSON with a chat `text` line",
+    )
 
 
 @dataclass(frozen=True)

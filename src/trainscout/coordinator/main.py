@@ -34,7 +34,9 @@ from trainscout.findings import Finding
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
+from trainscout.sinks import metrics as run_metrics
 from trainscout.sinks.evidence_log import EvidenceLog
+from trainscout.sinks.notify import Notifier, notify_urls
 from trainscout.wire.endpoints import CoordinatorEndpoint
 from trainscout.wire.messages import (
     Command,
@@ -104,6 +106,10 @@ class Coordinator:
         agent_silence_s: float = 3.0,
         gpu_stragglers: bool = True,
         detectors: Registry | None = None,
+        metrics_port: int = 0,
+        metrics_addr: str = "127.0.0.1",
+        metrics_max_ranks: int = 512,
+        notify: list[str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.console = console
@@ -146,6 +152,15 @@ class Coordinator:
         self._next_trust = 0.0
         self._last_trust = ""
         self.stop = False
+        # optional outputs: Prometheus metrics (--metrics-port) and findings posted to webhooks (--notify)
+        self.metrics = (
+            run_metrics.start(metrics_port, metrics_addr, console.info, console.warn, self.events, metrics_max_ranks)
+            if metrics_port
+            else None
+        )
+        self.notifier = (
+            Notifier(notify, self.events, console.warn, run_id=os.path.basename(run_dir)) if notify else None
+        )
 
     # ---- messages -------------------------------------------------------------------------
     def handle(self, identity: bytes, msg, now: float) -> None:
@@ -225,6 +240,8 @@ class Coordinator:
         self._flush_due(now)
         self._publish_trust(now)
         self._track_topology()
+        if self.metrics:
+            self.metrics.on_pass(self.ranks, view.live, self.nodes)
 
     def _view(self, now: float) -> JobView:
         # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
@@ -602,6 +619,10 @@ class Coordinator:
         self.findings_sink.finding(finding)
         self.events.write("finding", finding_kind=finding.kind, culprits=finding.culprit_ranks, summary=finding.summary)
         self.console.finding(finding)
+        if self.metrics:
+            self.metrics.on_finding(finding)
+        if self.notifier:
+            self.notifier.notify(finding)
         if finding.kind in self.abort_on and not self.aborting:
             self.abort(f"{finding.kind} found")
 
@@ -715,11 +736,15 @@ class Coordinator:
             for kind, fields in closing.events:
                 self.events.write(kind, **fields)
             counters.update(closing.counters)
+        if self.notifier:
+            self.notifier.close()  # a short, bounded drain of the posts still pending
         self.events.write(
             "coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected), **counters
         )
         self.evidence_log.close()
         self.endpoint.close()
+        if self.metrics:
+            self.metrics.close()
 
 
 def _of(detectors: Registry, name: str, kind: type):
@@ -753,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = CoordinatorEndpoint(args.bind, secret)
     rich = {"auto": None, "rich": True, "plain": False}[args.console]
     console = ConsoleSink(sys.stdout, rich=rich)
+    settings = config.from_environ()[0]
     coord = Coordinator(
         endpoint,
         args.run_dir,
@@ -761,6 +787,10 @@ def main(argv: list[str] | None = None) -> int:
         stall_timeout_s=args.stall_timeout,
         abort_on={k for k in args.abort_on.split(",") if k},
         gpu_stragglers=settings.stragglers.gpu,
+        metrics_port=settings.run.metrics_port,
+        metrics_addr=settings.run.metrics_addr,
+        metrics_max_ranks=settings.run.metrics_max_ranks,
+        notify=notify_urls(settings.run.notify, console.warn),
     )
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -73,6 +74,8 @@ class EventLog:
         # enc_hook covers the common case (a stray object) without copying every event.
         self._encoder = msgspec.json.Encoder(enc_hook=str)
         self._lock = threading.Lock()
+        # called with (kind, fields) after each event is written: the metrics count monitoring gaps from them
+        self.observers: list[Callable[[str, dict[str, Any]], None]] = []
 
     def write(self, kind: str, **fields: Any) -> None:
         event = {"t": time.time(), "kind": kind, **fields}
@@ -85,6 +88,8 @@ class EventLog:
                 return
             self._file.write(line + b"\n")
             self._file.flush()
+        for observe in self.observers:
+            observe(kind, fields)
 
     def close(self) -> None:
         with self._lock:
