@@ -11,6 +11,7 @@ import tempfile
 
 from trainscout import __version__, config
 from trainscout.faults.spec import KINDS as FAULT_KINDS
+from trainscout.runner import standalone_cli
 
 FINDING_HELP = """\
 findings (printed live, saved to runs/<run-id>/findings.jsonl and summary.md):
@@ -161,13 +162,9 @@ def _outputs_problem(cfg: config.Config) -> str | None:
 
 
 def _launcher_node_rank(command: list[str]) -> int | None:
-    for i, arg in enumerate(command):
-        for flag in ("--node-rank", "--node_rank"):
-            if arg == flag and i + 1 < len(command):
-                return int(command[i + 1])
-            if arg.startswith(flag + "="):
-                return int(arg.split("=", 1)[1])
-    return None
+    from trainscout.runner.launchers import identify
+
+    return identify(command).node_rank
 
 
 def _run(args, command: list[str], on_done=None) -> int:
@@ -390,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser(
         "run",
         help="monitor a training launch command given after --",
-        description="Run a launcher (torchrun, python -m torch.distributed.run) under "
-        "trainscout. The training script needs no change.",
+        description="Run a launcher (torchrun, python -m torch.distributed.run, deepspeed, accelerate launch, "
+        "srun inside an allocation) under trainscout. The training script needs no change. Other launchers: "
+        "`trainscout coordinator`, `trainscout agent` (docs/launchers.md).",
         epilog=RUN_EXAMPLE + "\n" + FINDING_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -460,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg_cmd.add_argument("--config", metavar="FILE", help=f"settings file (default: ./{config.TOML_FILE} if present)")
     cfg_cmd.add_argument("--markdown", action="store_true", help="print the settings reference (docs/configuration.md)")
+    standalone_cli.add_parsers(sub)
     report = sub.add_parser("report", help="print the summary of a finished run")
     report.add_argument("run_dir", help="runs/<run-id>")
     report.add_argument(
@@ -487,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             return _demo_verdict(specs, status, findings, args.effective.run.hang_timeout)
 
         return _run(args, _demo_command(args), on_done=judged)
+    if args.cmd in standalone_cli.COMMANDS:
+        return standalone_cli.main(args)
     if args.cmd == "config":
         return _print_config(args)
     if args.cmd == "checkpoints":

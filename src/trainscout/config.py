@@ -287,6 +287,8 @@ INTERNAL: dict[str, str] = {
     "TRAINSCOUT_PKG_PATH": "where the bootstrap finds trainscout inside a rank",
     "TRAINSCOUT_PROBE_PID": "marks a rank's children (DataLoader workers) so they start no probe of their own",
     "TRAINSCOUT_INJECT": "faults to inject (`--inject`), for the ranks",
+    "TRAINSCOUT_RANKS_FROM": "`slurm`: srun tasks are the ranks; the bootstrap sets RANK, WORLD_SIZE, LOCAL_RANK, "
+    "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT from SLURM's variables where unset (docs/launchers.md)",
     "TRAINSCOUT_FAULT_LOG": "benchmarks: a file each injected fault appends a line to when it fires",
     "TRAINSCOUT_NO_NATIVE": "build time: do not build the C fingerprint",
     "TRAINSCOUT_NATIVE_OPTIONAL": "tests: a missing C fingerprint is no failure",

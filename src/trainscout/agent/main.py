@@ -32,6 +32,11 @@ if TYPE_CHECKING:  # types only: NVML is loaded at the first digest with ranks
     from trainscout.wire.device import DeviceReading
 
 
+# an agent that ends with its ranks waits this long after the last exit: long enough for the coordinator's
+# stack and record requests about the end, and for a rank whose channel appears late
+RANKS_DONE_GRACE_S = 3.0
+
+
 class Agent:
     def __init__(
         self,
@@ -42,8 +47,10 @@ class Agent:
         interval_s: float = 1.0,
         tick_s: float = 1.0,
         stack_method: str = "py-spy",
+        until_ranks_exit: bool = False,
     ) -> None:
         self.run_id = run_id
+        self.until_ranks_exit = until_ranks_exit
         self.node_id = node_id
         self.host = socket.gethostname()
         self.interval_s = interval_s
@@ -55,6 +62,7 @@ class Agent:
         self.stop = threading.Event()
         self._send_lock = threading.Lock()
         self.devices: DeviceSampler | None = None  # DeviceSampler (NVML), made at the first digest with ranks
+        self._all_exited_since: float | None = None
 
     def send(self, msg) -> bool:
         with self._send_lock:  # zmq sockets are not thread-safe; stack threads send too
@@ -176,7 +184,18 @@ class Agent:
             cmd = self.endpoint.recv_command(int(self.tick_s * 1000))
             if cmd is not None:
                 self.handle(cmd)
+            if self.until_ranks_exit and self._ranks_done(now):
+                break
         self.finish()
+
+    def _ranks_done(self, now: float) -> bool:
+        """Every rank seen has exited, for a few seconds (a late channel of a slow starter still counts)."""
+        if not self.views or any(v.exit is None for v in self.views.values()):
+            self._all_exited_since = None
+            return False
+        if self._all_exited_since is None:
+            self._all_exited_since = now
+        return now - self._all_exited_since >= RANKS_DONE_GRACE_S
 
     def finish(self) -> None:
         # Last look: exits that happened in the final moments must not be lost.
@@ -249,12 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between digests (default 1)")
     p.add_argument("--stack-method", choices=["py-spy", "faulthandler"], default="py-spy")
     p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
+    p.add_argument("--until-ranks-exit", action="store_true", help="end once every rank seen on this node has exited")
     args = p.parse_args(argv)
     lower_priority(args.nice)
     log.setup(f"agent@{args.node_id}", os.environ.get("TRAINSCOUT_RUN_DIR"), level=_log_level())
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     agent = Agent(
-        args.run_id, args.coordinator, secret, args.node_id, interval_s=args.interval, stack_method=args.stack_method
+        args.run_id,
+        args.coordinator,
+        secret,
+        args.node_id,
+        interval_s=args.interval,
+        stack_method=args.stack_method,
+        until_ranks_exit=args.until_ranks_exit,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop

@@ -22,13 +22,12 @@ from trainscout import config, log
 from trainscout.channel.layout import list_channels, remove_run_files
 from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
+from trainscout.runner import launchers
 from trainscout.runner.launcher_log import worker_exits
+from trainscout.runner.launchers import BOOTSTRAP_DIR, PKG_PARENT  # noqa: F401  (re-exported)
 from trainscout.sinks import ConsoleSink, EventLog, probe_costs, report_html, write_summary
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
-
-BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "probe", "bootstrap")
-PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass
@@ -49,6 +48,7 @@ class RunOptions:
     fr_buffer: int = 256
     quiet_launcher: bool = False
     settings: dict[str, str] = field(default_factory=dict)  # the checked settings, as their environment variables
+    agent_until_ranks_exit: bool = False  # the agent ends with this node's ranks (`trainscout agent`)
 
 
 def live_ranks(run_id: str) -> dict[int, int]:
@@ -79,6 +79,7 @@ def run_dir_of(opts: RunOptions, run_id: str) -> str:
 class Supervisor:
     def __init__(self, opts: RunOptions, console: ConsoleSink | None = None) -> None:
         self.opts = opts
+        self.launch = launchers.identify(opts.command)
         self.console = console or ConsoleSink(sys.stderr, rich=False)
         self.run_id = opts.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         self.run_dir = run_dir_of(opts, self.run_id)
@@ -118,7 +119,7 @@ class Supervisor:
         return env
 
     def _start_coordinator(self) -> str:
-        bind = "tcp://127.0.0.1:0"
+        bind = "tcp://0.0.0.0:0" if self.launch.kind == launchers.SRUN else "tcp://127.0.0.1:0"  # agents on all nodes
         if self.opts.coordinator_addr:
             host, _, port = self.opts.coordinator_addr.rpartition(":")
             bind = f"tcp://{host or '0.0.0.0'}:{port}"
@@ -171,17 +172,25 @@ class Supervisor:
             "--nice",
             str(self.opts.monitor_nice),
         ]
+        if self.opts.agent_until_ranks_exit:
+            cmd.append("--until-ranks-exit")
+        if self.launch.kind == launchers.SRUN:  # one agent on every node of the job, as a job step
+            reach = launchers.reachable_address(address, os.environ, os.uname().nodename)
+            agent = launchers.agent_cli_command(
+                sys.executable, self.run_id, reach, self.opts.stack_method, self.opts.monitor_nice
+            )
+            try:
+                cmd = launchers.slurm_agent_step(agent, os.environ)
+            except ValueError as exc:
+                raise SystemExit(f"trainscout: {exc}") from None
         self.agent = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
 
     def _launcher_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("TRAINSCOUT_SECRET", None)  # training code has no business holding the job secret
-        env["PYTHONPATH"] = os.pathsep.join(
-            [BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        )
-        env["TRAINSCOUT_RUN_ID"] = self.run_id
-        env["TRAINSCOUT_RUN_DIR"] = self.run_dir
-        env["TRAINSCOUT_PKG_PATH"] = PKG_PARENT
+        env.update(launchers.rank_variables(env, self.run_id, self.run_dir))
+        if self.launch.ranks_from_slurm:
+            env[launchers.RANKS_FROM_ENV] = "slurm"
         env.setdefault("TORCH_FR_BUFFER_SIZE", str(self.opts.fr_buffer))
         if self.opts.inject:
             env["TRAINSCOUT_INJECT"] = self.opts.inject

@@ -29,6 +29,28 @@ try:
 except Exception as exc:  # the user's own sitecustomize failing is theirs to see, not ours to hide
     print(f"trainscout: the original sitecustomize failed: {exc!r}", file=sys.stderr)
 
+
+def _ranks_from_scheduler() -> None:
+    """srun tasks that are the ranks themselves: RANK, WORLD_SIZE, ... from SLURM's variables where absent,
+    so that torch's env:// rendezvous and the probe need no change to the script."""
+    if os.environ.get("TRAINSCOUT_RANKS_FROM") != "slurm" or os.environ.get("RANK") is not None:
+        return
+    _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
+    if _pkg and _pkg not in sys.path:
+        sys.path.append(_pkg)
+    from trainscout.runner.launchers import slurm_rank_environment
+
+    os.environ.update(slurm_rank_environment(os.environ))
+
+
+if os.environ.get("TRAINSCOUT_RUN_ID"):
+    try:
+        _ranks_from_scheduler()
+    except Exception as exc:
+        print(f"trainscout: cannot read this task's rank from SLURM's variables: {exc!r}", file=sys.stderr)
+    # the Flight Recorder sees every collective (C++ ones too); it must be on before torch loads
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
+
 if os.environ.get("TRAINSCOUT_RUN_ID") and os.environ.get("RANK") is not None:
     try:
         _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
