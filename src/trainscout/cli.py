@@ -11,6 +11,7 @@ import tempfile
 
 from trainscout import __version__, config
 from trainscout.faults.spec import KINDS as FAULT_KINDS
+from trainscout.runner.handoff import EXIT_HELP
 
 FINDING_HELP = """\
 findings (printed live, saved to runs/<run-id>/findings.jsonl and summary.md):
@@ -107,6 +108,20 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="CPU niceness added to the agent and coordinator, 0-19 (default 0): they then use a busy "
         "machine's idle moments, but react later under load",
     )
+    p.add_argument(
+        "--on-finding",
+        default=None,
+        metavar="CMD",
+        help="shell command run once per finding that names a culprit, in the background and one at a time; "
+        "$TRAINSCOUT_VERDICT is the path of runs/<run-id>/verdict.json (output: on_finding.log)",
+    )
+    p.add_argument(
+        "--exit-status",
+        choices=["verdict", "launcher"],
+        default=None,
+        help="verdict (default): 0 ok, 3 fault localized, 4 failed and nobody named (below); "
+        "launcher: the launcher's own exit code",
+    )
 
 
 def _flag_settings(args) -> dict:
@@ -118,6 +133,8 @@ def _flag_settings(args) -> dict:
         "run.monitor_nice": args.monitor_nice,
         "run.stack_method": args.stack_method,
         "run.console": args.console,
+        "run.on_finding": args.on_finding,
+        "run.exit_status": args.exit_status,
     }
 
 
@@ -134,6 +151,7 @@ def _launcher_node_rank(command: list[str]) -> int | None:
 def _run(args, command: list[str], on_done=None) -> int:
     """`trainscout run`; on_done(exit status, findings) may replace the job's exit status (the demo's verdict)."""
     from trainscout.faults.spec import parse_faults
+    from trainscout.runner.handoff import exit_meaning, exit_status
     from trainscout.runner.supervisor import RunOptions, Supervisor, live_ranks, run_dir_of
 
     if not command:
@@ -217,7 +235,12 @@ def _run(args, command: list[str], on_done=None) -> int:
             return 2
     supervisor = Supervisor(opts)
     status = supervisor.run()
-    return status if on_done is None else on_done(status, supervisor.findings)
+    if on_done is not None:
+        return on_done(status, supervisor.findings)
+    final = exit_status(status, supervisor.findings, supervisor.interrupted_by, cfg.run.exit_status)
+    if final != status:
+        print(f"trainscout: the launcher exited {status}; trainscout exits {final} ({exit_meaning(final)})", flush=True)
+    return final
 
 
 DEMO_STEPS = 100
@@ -349,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         help="monitor a training launch command given after --",
         description="Run a launcher (torchrun, python -m torch.distributed.run) under "
         "trainscout. The training script needs no change.",
-        epilog=RUN_EXAMPLE + "\n" + FINDING_HELP,
+        epilog=RUN_EXAMPLE + "\n" + EXIT_HELP + "\n" + FINDING_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_options(run)

@@ -104,6 +104,21 @@ class Run:
         flag="--console",
         doc="finding output style (auto: rich on a terminal, plain lines otherwise)",
     )
+    on_finding: str = setting(
+        "",
+        "TRAINSCOUT_ON_FINDING",
+        flag="--on-finding",
+        doc="shell command run once per finding naming a culprit, in the background, one at a time; "
+        "TRAINSCOUT_VERDICT holds the path of verdict.json (output: on_finding.log)",
+    )
+    exit_status: str = setting(
+        "verdict",
+        "TRAINSCOUT_EXIT_STATUS",
+        choices=("verdict", "launcher"),
+        flag="--exit-status",
+        doc="what `trainscout run` exits with: verdict (0 job succeeded, 3 job failed and a culprit named, "
+        "4 job failed and nobody named) or launcher (the launcher's own exit code)",
+    )
 
 
 @dataclass(frozen=True)
@@ -254,6 +269,7 @@ INTERNAL: dict[str, str] = {
     "TRAINSCOUT_PKG_PATH": "where the bootstrap finds trainscout inside a rank",
     "TRAINSCOUT_PROBE_PID": "marks a rank's children (DataLoader workers) so they start no probe of their own",
     "TRAINSCOUT_INJECT": "faults to inject (`--inject`), for the ranks",
+    "TRAINSCOUT_VERDICT": "for the `--on-finding` command: the path of the run's verdict.json",
     "TRAINSCOUT_FAULT_LOG": "benchmarks: a file each injected fault appends a line to when it fires",
     "TRAINSCOUT_NO_NATIVE": "build time: do not build the C fingerprint",
     "TRAINSCOUT_NATIVE_OPTIONAL": "tests: a missing C fingerprint is no failure",

@@ -26,6 +26,7 @@ from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
 from trainscout import config
 from trainscout.coordinator import confirmation
+from trainscout.coordinator.attempts import AttemptTracker
 from trainscout.detectors.nonfinite import NonFiniteDetector
 from trainscout.detectors.numerics import NumericDetector
 from trainscout.detectors.state import ReplicaStateDetector, verified_window
@@ -38,6 +39,7 @@ from trainscout.findings import HPZ_RACE
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
+from trainscout.runner.handoff import Handoff
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
 from trainscout.sinks.evidence_log import EvidenceLog
 from trainscout.wire.endpoints import CoordinatorEndpoint
@@ -107,23 +109,17 @@ class Coordinator:
         stack_timeout_s: float = 4.0,
         agent_silence_s: float = 3.0,
         gpu_stragglers: bool = True,
+        handoff: Handoff | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
         self.evidence_log = EvidenceLog(os.path.join(run_dir, "evidence.jsonl"))
-        self.hang = HangDetector(hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s)
-        self.desync = DesyncDetector()
-        self.exits = ExitDetector(blocked_s=hang_timeout_s)
-        self.state = ReplicaStateDetector()
-        self.hpz = HpzRaceDetector()
-        self.nonfinite = NonFiniteDetector()
-        self.replay = ReplayDetector()
-        self.numerics = NumericDetector()  # loss and layer gradient norms against peers (statistical suspects)
-        self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
-        # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
-        self.straggler = StragglerDetector(gpu_compute=gpu_stragglers)
+        self.handoff = handoff or Handoff(run_dir, os.path.basename(run_dir))  # verdict.json, --on-finding
+        self.attempts = AttemptTracker()  # elastic restarts: each attempt's ranks are judged afresh
+        self._timeouts = (hang_timeout_s, stall_timeout_s, gpu_stragglers)
+        self._fresh_detectors()
         self.devices = DeviceHealthDetector()
         self.rank_gpu: dict[int, str] = {}  # rank -> "host:gpu index" of the GPU its process runs on (NVML)
         self._devices_new = False
@@ -155,6 +151,45 @@ class Coordinator:
         self._last_trust = ""
         self.stop = False
 
+    def _fresh_detectors(self) -> None:
+        """The detectors of one attempt of the job (all rank state they hold belongs to that attempt)."""
+        hang_timeout_s, stall_timeout_s, gpu_stragglers = self._timeouts
+        self.hang = HangDetector(hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s)
+        self.desync = DesyncDetector()
+        self.exits = ExitDetector(blocked_s=hang_timeout_s)
+        self.state = ReplicaStateDetector()
+        self.hpz = HpzRaceDetector()
+        self.nonfinite = NonFiniteDetector()
+        self.replay = ReplayDetector()
+        self.numerics = NumericDetector()  # loss and layer gradient norms against peers (statistical suspects)
+        self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
+        # CUDA jobs: compute is judged on GPU-side spans, or (TRAINSCOUT_GPU_STRAGGLERS=0) not at all
+        self.straggler = StragglerDetector(gpu_compute=gpu_stragglers)
+
+    def _next_attempt(self, attempt: int, now: float) -> None:
+        """A rank of a newer attempt (elastic restart): decide what the old attempt left pending, then forget it."""
+        if self.ranks:
+            for f in self.exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):
+                self.emit(f, now)
+            for p in self.pending_stacks.values():
+                p.deadline = now
+            for pf in self.pending_fetch.values():
+                pf.deadline = now
+            self.pending_profiles.clear()  # samples of a process that is gone
+            self._flush_due(now)
+        self.events.write("attempt_end", attempt=self.attempts.current, findings=len(self.findings))
+        self.attempts.begin(attempt, time.time())
+        self.events.write("attempt", attempt=attempt)
+        self.console.info(f"attempt {attempt} of the job started (elastic restart): its ranks are judged afresh")
+        self._fresh_detectors()
+        self.ranks.clear()
+        self._step_history.clear()
+        self._step_walls.clear()
+        self.numerically_named.clear()
+        self.pending_stacks.clear()
+        self.pending_fetch.clear()
+        self.root_found = False
+
     # ---- messages -------------------------------------------------------------------------
     def handle(self, identity: bytes, msg, now: float) -> None:
         node = self.nodes.setdefault(
@@ -171,6 +206,10 @@ class Coordinator:
             node["host"] = msg.host
             self._take_devices(msg, now)
             for st in msg.ranks:
+                if self.attempts.is_stale(st.attempt):
+                    continue  # the last look at a rank of an attempt that has ended
+                if self.attempts.is_newer(st.attempt):
+                    self._next_attempt(st.attempt, now)
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
                 self.rank_node[st.rank] = identity
                 if st.state:
@@ -560,6 +599,8 @@ class Coordinator:
             if self.endpoint.send(ident, Command(kind="dump_stacks", request_id=rid, ranks=ranks)):
                 sent.update(ranks)
         self.pending_stacks[rid] = PendingStacks(suspect.finding, sent, now + self.stack_timeout_s)
+        if sent:  # a wait of up to stack_timeout_s before the finding shows: say what is happening
+            self.console.info(f"{suspect.finding.kind} suspected: collecting stacks from {len(sent)} rank(s)...")
         self.events.write(
             "suspect", finding_kind=suspect.finding.kind, ranks=suspect.finding.culprit_ranks, request=rid
         )
@@ -628,6 +669,18 @@ class Coordinator:
                     self.emit(f, now)
 
     def emit(self, finding: Finding, now: float) -> None:
+        finding.attempt = self.attempts.current
+        earlier = self.attempts.earlier_blame(finding)
+        if earlier is not None:  # the same culprit, the same kind of fault: named once, in its first attempt
+            self.events.write(
+                "repeat",
+                finding_kind=finding.kind,
+                culprits=finding.culprit_ranks,
+                attempt=finding.attempt,
+                first_attempt=earlier,
+                summary=finding.summary,
+            )
+            return
         key = finding.key()
         if key in self.emitted:
             return
@@ -650,6 +703,8 @@ class Coordinator:
         self.findings_sink.finding(finding)
         self.events.write("finding", finding_kind=finding.kind, culprits=finding.culprit_ranks, summary=finding.summary)
         self.console.finding(finding)
+        self.attempts.record(finding)
+        self.handoff.on_finding(finding, self.findings)
         if finding.kind in self.abort_on and not self.aborting:
             self.abort(f"{finding.kind} found")
 
@@ -689,6 +744,7 @@ class Coordinator:
         self.aborting = True
         self.console.warn(f"stopping the training job ({reason}; --abort-on)")
         self.events.write("abort", reason=reason)
+        self.handoff.mark_abort()  # before the ranks are stopped: their teardown output stays off the terminal
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="abort", request_id=next(self.request_ids)))
 
@@ -765,6 +821,7 @@ class Coordinator:
             replays_compared=self.replay.replays_compared,
         )
         self.evidence_log.close()
+        self.handoff.finish()
         self.endpoint.close()
 
 
@@ -781,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     lower_priority(args.nice)
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     endpoint = CoordinatorEndpoint(args.bind, secret)
+    settings = config.from_environ()[0]
     rich = {"auto": None, "rich": True, "plain": False}[args.console]
     console = ConsoleSink(sys.stdout, rich=rich)
     coord = Coordinator(
@@ -790,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
         hang_timeout_s=args.hang_timeout,
         stall_timeout_s=args.stall_timeout,
         abort_on={k for k in args.abort_on.split(",") if k},
-        gpu_stragglers=config.from_environ()[0].stragglers.gpu,
+        gpu_stragglers=settings.stragglers.gpu,
+        handoff=Handoff(args.run_dir, os.path.basename(os.path.normpath(args.run_dir)), settings.run.on_finding),
     )
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:
