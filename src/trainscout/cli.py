@@ -12,6 +12,7 @@ import tempfile
 from trainscout import __version__, config
 from trainscout.faults.spec import KINDS as FAULT_KINDS
 from trainscout.runner import standalone_cli
+from trainscout.runner.handoff import EXIT_HELP
 
 FINDING_HELP = """\
 findings (printed live, saved to runs/<run-id>/findings.jsonl and summary.md):
@@ -130,6 +131,20 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="POST each finding as JSON (with a chat `text` line) to this webhook; repeat or comma-separate",
     )
+    p.add_argument(
+        "--on-finding",
+        default=None,
+        metavar="CMD",
+        help="shell command run once per finding that names a culprit, in the background and one at a time; "
+        "$TRAINSCOUT_VERDICT is the path of runs/<run-id>/verdict.json (output: on_finding.log)",
+    )
+    p.add_argument(
+        "--exit-status",
+        choices=["verdict", "launcher"],
+        default=None,
+        help="verdict (default): 0 ok, 3 fault localized, 4 failed and nobody named (below); "
+        "launcher: the launcher's own exit code",
+    )
 
 
 def _flag_settings(args) -> dict:
@@ -145,6 +160,8 @@ def _flag_settings(args) -> dict:
         "run.metrics_port": args.metrics_port,
         "run.metrics_addr": args.metrics_addr,
         "run.notify": ",".join(args.notify) if args.notify else None,
+        "run.on_finding": args.on_finding,
+        "run.exit_status": args.exit_status,
     }
 
 
@@ -170,6 +187,7 @@ def _launcher_node_rank(command: list[str]) -> int | None:
 def _run(args, command: list[str], on_done=None) -> int:
     """`trainscout run`; on_done(exit status, findings) may replace the job's exit status (the demo's verdict)."""
     from trainscout.faults.spec import parse_faults
+    from trainscout.runner.handoff import exit_meaning, exit_status
     from trainscout.runner.supervisor import RunOptions, Supervisor, live_ranks, run_dir_of
 
     if not command:
@@ -257,7 +275,12 @@ def _run(args, command: list[str], on_done=None) -> int:
             return 2
     supervisor = Supervisor(opts)
     status = supervisor.run()
-    return status if on_done is None else on_done(status, supervisor.findings)
+    if on_done is not None:
+        return on_done(status, supervisor.findings)
+    final = exit_status(status, supervisor.findings, supervisor.interrupted_by, cfg.run.exit_status)
+    if final != status:
+        print(f"trainscout: the launcher exited {status}; trainscout exits {final} ({exit_meaning(final)})", flush=True)
+    return final
 
 
 DEMO_STEPS = 100
@@ -390,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a launcher (torchrun, python -m torch.distributed.run, deepspeed, accelerate launch, "
         "srun inside an allocation) under trainscout. The training script needs no change. Other launchers: "
         "`trainscout coordinator`, `trainscout agent` (docs/launchers.md).",
-        epilog=RUN_EXAMPLE + "\n" + FINDING_HELP,
+        epilog=RUN_EXAMPLE + "\n" + EXIT_HELP + "\n" + FINDING_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_options(run)

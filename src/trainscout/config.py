@@ -137,6 +137,21 @@ class Run:
         flag="--notify",
         doc="comma-separated http(s) URLs each finding is POSTed to as JSON with a chat `text` line",
     )
+    on_finding: str = setting(
+        "",
+        "TRAINSCOUT_ON_FINDING",
+        flag="--on-finding",
+        doc="shell command run once per finding naming a culprit, in the background, one at a time; "
+        "TRAINSCOUT_VERDICT holds the path of verdict.json (output: on_finding.log)",
+    )
+    exit_status: str = setting(
+        "verdict",
+        "TRAINSCOUT_EXIT_STATUS",
+        choices=("verdict", "launcher"),
+        flag="--exit-status",
+        doc="what `trainscout run` exits with: verdict (0 job succeeded, 3 job failed and a culprit named, "
+        "4 job failed and nobody named) or launcher (the launcher's own exit code)",
+    )
 
 
 @dataclass(frozen=True)
@@ -289,6 +304,7 @@ INTERNAL: dict[str, str] = {
     "TRAINSCOUT_INJECT": "faults to inject (`--inject`), for the ranks",
     "TRAINSCOUT_RANKS_FROM": "`slurm`: srun tasks are the ranks; the bootstrap sets RANK, WORLD_SIZE, LOCAL_RANK, "
     "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT from SLURM's variables where unset (docs/launchers.md)",
+    "TRAINSCOUT_VERDICT": "for the `--on-finding` command: the path of the run's verdict.json",
     "TRAINSCOUT_FAULT_LOG": "benchmarks: a file each injected fault appends a line to when it fires",
     "TRAINSCOUT_NO_NATIVE": "build time: do not build the C fingerprint",
     "TRAINSCOUT_NATIVE_OPTIONAL": "tests: a missing C fingerprint is no failure",

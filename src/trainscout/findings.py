@@ -43,6 +43,7 @@ class Finding(msgspec.Struct, kw_only=True):  # every field in the JSON: readers
     stacks: dict[str, str] = {}  # rank (as str, for JSON) -> Python stack captured from outside the process
     first_seen: float = 0.0  # coordinator wall-clock seconds when the fault was first suspected
     confirmed: float = 0.0  # when the finding was emitted
+    attempt: int = 0  # the launcher's restart attempt it was made in (torchrun --max-restarts; 0: the first)
     schema: int = SCHEMA_VERSION
 
     def key(self) -> tuple:

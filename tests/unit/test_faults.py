@@ -94,7 +94,7 @@ def test_parse_errors_name_the_token(token: str, message: str) -> None:
 def test_parse_errors_list_the_valid_choices() -> None:
     with pytest.raises(ValueError, match="valid kinds: hang, gil, crash, exit, desync, slow, pause"):
         parse_faults("boom")
-    with pytest.raises(ValueError, match="valid keys for desync: rank, step, what"):
+    with pytest.raises(ValueError, match="valid keys for desync: rank, step, attempt, what"):
         parse_faults("desync:how=kill")
     with pytest.raises(ValueError, match="shape, dtype, op, reduce, pg"):
         parse_faults("desync:what=x")

@@ -123,7 +123,7 @@ def test_new_parameters_parse_and_round_trip() -> None:
         ("delay:how=nap", "how='nap' is not one of sleep, busy, read, lock, gpu, data"),
         ("delay:every=0", "every=0 must be >= 1"),
         ("delay:ms=-1", "ms='-1'"),
-        ("delay:factor=2", "unknown key 'factor'; valid keys for delay: rank, step, ms, every, layer, how"),
+        ("delay:factor=2", "unknown key 'factor'; valid keys for delay: rank, step, attempt, ms, every, layer, how"),
         ("starve:hogs=0", "hogs=0 must be >= 1"),
         ("starve:hogs=two", "hogs='two' is not an integer"),
         ("gradnoise:scale=0", "scale='0' must be > 0"),

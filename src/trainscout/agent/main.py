@@ -58,6 +58,7 @@ class Agent:
         self.stack_method = stack_method
         self.endpoint = AgentEndpoint(coordinator, secret, node_id)
         self.views: dict[int, RankView] = {}
+        self.retired: list = []  # last states of ranks of an ended attempt, sent once in the next digest
         self.number = 0
         self.stop = threading.Event()
         self._send_lock = threading.Lock()
@@ -74,13 +75,30 @@ class Agent:
             if view is not None and view.reader.path == path and view.pid and not _restarted(view):
                 continue
             try:
-                self.views[rank] = RankView(self.run_id, rank, path)
+                fresh = RankView(self.run_id, rank, path)
             except (OSError, ValueError):
                 continue  # the probe is still creating it; next discovery will catch it
+            if view is not None:
+                self._retire(view)
+            self.views[rank] = fresh
+
+    def _retire(self, view: RankView) -> None:
+        """A rank restarted (elastic restart): read the old process's channel to the end, so that how it ended
+        reaches the coordinator, then let it go."""
+        try:
+            view.refresh()
+            last = view.state()
+            if last is not None:
+                self.retired.append(last)
+        except (OSError, ValueError):
+            pass
+        view.close()
 
     def digest(self) -> NodeDigest:
         self.number += 1
-        ranks = [s for s in (v.state() for v in self.views.values()) if s is not None]
+        # an ended attempt's ranks first: the coordinator closes that attempt before it sees the new one
+        retired, self.retired = self.retired, []
+        ranks = retired + [s for s in (v.state() for v in self.views.values()) if s is not None]
         devices: list[DeviceReading] = []
         if self.devices is None and ranks:  # started once ranks exist: NVML costs a job without GPUs nothing
             from trainscout.agent.device_health import DeviceSampler
@@ -240,6 +258,8 @@ def _write_atomic(path: str, text: str) -> None:
 
 def _restarted(view: RankView) -> bool:
     try:
+        if view.reader.replaced():
+            return True
         h = view.reader.header()
         return int(h["pid"]) != view.pid
     except Exception:

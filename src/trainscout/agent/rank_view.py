@@ -501,6 +501,7 @@ class RankView:
             numerics=self.take_numerics(),
             numeric_layers=self.numeric_layers,
             device=self.device,
+            attempt=int(h["attempt"]),
         )
 
     def records(self, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-MAGIC = 0x5453434F55540001  # "TSCOUT" + layout version 1
+MAGIC = 0x5453434F55540002  # "TSCOUT" + layout version 2
 RING_SLOTS = 4096
 DESC_BYTES = 120
 ERROR_PG_INDEX = -6  # ring records with this pg index are the probe's internal errors, in order
@@ -29,6 +29,7 @@ HEADER_DTYPE = np.dtype(
         ("local_rank", "<i8"),
         ("world_size", "<i8"),
         ("start_wall_ns", "<i8"),
+        ("attempt", "<i8"),  # the launcher's restart attempt (TORCHELASTIC_RESTART_COUNT; 0: the first)
         # written by the publisher thread
         ("heartbeat_ns", "<i8"),  # CLOCK_MONOTONIC, shared by all processes of one host
         ("collectives", "<i8"),  # total collectives seen

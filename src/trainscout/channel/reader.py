@@ -15,7 +15,9 @@ class ChannelReader:
         self.path = path
         fd = os.open(path, os.O_RDONLY)
         try:
-            if os.fstat(fd).st_size < TOTAL_BYTES:
+            st = os.fstat(fd)
+            self.inode = st.st_ino  # a restarted rank's probe renames a new file over this path
+            if st.st_size < TOTAL_BYTES:
                 raise ValueError(f"{path}: channel file too small (probe still creating it?)")
             self._mm = mmap.mmap(fd, TOTAL_BYTES, prot=mmap.PROT_READ)
         finally:
@@ -24,6 +26,13 @@ class ChannelReader:
         self._ring = np.ndarray((RING_SLOTS,), dtype=RECORD_DTYPE, buffer=self._mm, offset=HEADER_BYTES)
         self.read_head = 0  # records consumed so far
         self.lost = 0  # records overwritten before we read them
+
+    def replaced(self) -> bool:
+        """Whether the path now names another file than the one mapped (a new attempt's, or none)."""
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except OSError:
+            return False
 
     def ready(self) -> bool:
         return int(self._header["magic"]) == MAGIC

@@ -41,9 +41,12 @@ _RING_HEAD_AT, _RING_HEAD = _INT_FIELDS["ring_head"]
 
 
 class ChannelWriter:
-    def __init__(self, run_id: str, rank: int, local_rank: int, world_size: int) -> None:
+    def __init__(self, run_id: str, rank: int, local_rank: int, world_size: int, attempt: int = 0) -> None:
         self.path = channel_path(run_id, rank)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A new file renamed over the old one, never the old one rewritten: after an elastic restart the agent
+        # still holds the previous attempt's file (its exit record) until it has read it to the end.
+        building = f"{self.path}.{os.getpid()}.new"
+        fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, TOTAL_BYTES)
             self._mm = mmap.mmap(fd, TOTAL_BYTES)
@@ -61,7 +64,9 @@ class ChannelWriter:
         h["heartbeat_ns"] = now
         h["progress_ns"] = now
         h["step_ns"] = now
+        h["attempt"] = attempt
         h["magic"] = MAGIC  # last: a reader trusts the file only once this is set
+        os.replace(building, self.path)
         self._head = 0
 
     def set(self, field: str, value) -> None:

@@ -20,10 +20,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from trainscout import config, log
 from trainscout.coordinator import confirmation
+from trainscout.coordinator.attempts import AttemptTracker
 from trainscout.detectors.devices import DeviceWatch
 from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe
+from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.registry import Registry, default_detectors
 from trainscout.detectors.replay import ReplayDetector
@@ -33,6 +37,7 @@ from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, HPZ_RAC
 from trainscout.findings import Finding
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
+from trainscout.runner.handoff import Handoff
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
 from trainscout.sinks import metrics as run_metrics
 from trainscout.sinks.evidence_log import EvidenceLog
@@ -110,21 +115,18 @@ class Coordinator:
         metrics_addr: str = "127.0.0.1",
         metrics_max_ranks: int = 512,
         notify: list[str] | None = None,
+        handoff: Handoff | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.console = console
         self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
         self.evidence_log = EvidenceLog(os.path.join(run_dir, "evidence.jsonl"))
-        self.detectors = detectors or default_detectors(
-            hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s, gpu_stragglers=gpu_stragglers
-        )
-        # what the coordinator itself reads of three detectors: the state and replay verdicts (confirmations,
-        # checkpoint trust) and which GPU a rank runs on (a finding's identity); each may be left out
-        self.state = _of(self.detectors, "state", ReplicaStateDetector)
-        self.replay = _of(self.detectors, "replay", ReplayDetector)
-        self.devices = _of(self.detectors, "devices", DeviceWatch)
-        self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
+        self.handoff = handoff or Handoff(run_dir, os.path.basename(run_dir))  # verdict.json, --on-finding
+        self.attempts = AttemptTracker()  # elastic restarts: each attempt's ranks are judged afresh
+        self._given_detectors = detectors
+        self._timeouts = (hang_timeout_s, stall_timeout_s, gpu_stragglers)
+        self._fresh_detectors()
         self.topology = TopologyTracker()
         self._topology_key = ""  # the groups last judged, once their line is shown (see _track_topology)
         self.topology_file = os.path.join(run_dir, "topology.json")
@@ -162,6 +164,44 @@ class Coordinator:
             Notifier(notify, self.events, console.warn, run_id=os.path.basename(run_dir)) if notify else None
         )
 
+    def _fresh_detectors(self) -> None:
+        """The detectors of one attempt of the job (all rank state they hold belongs to that attempt)."""
+        hang_timeout_s, stall_timeout_s, gpu_stragglers = self._timeouts
+        self.detectors = self._given_detectors or default_detectors(
+            hang_timeout_s=hang_timeout_s, stall_timeout_s=stall_timeout_s, gpu_stragglers=gpu_stragglers
+        )
+        # what the coordinator itself reads of three detectors: the state and replay verdicts (confirmations,
+        # checkpoint trust) and which GPU a rank runs on (a finding's identity); each may be left out
+        self.state = _of(self.detectors, "state", ReplicaStateDetector)
+        self.replay = _of(self.detectors, "replay", ReplayDetector)
+        self.devices = _of(self.detectors, "devices", DeviceWatch)
+        self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
+
+    def _next_attempt(self, attempt: int, now: float) -> None:
+        """A rank of a newer attempt (elastic restart): decide what the old attempt left pending, then forget it."""
+        exits = self.detectors.get("exits")
+        if self.ranks and isinstance(exits, ExitDetector):
+            for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):
+                self.emit(f, now)
+            for p in self.pending_stacks.values():
+                p.deadline = now
+            for pf in self.pending_fetch.values():
+                pf.deadline = now
+            self.pending_profiles.clear()  # samples of a process that is gone
+            self._flush_due(now)
+        self.events.write("attempt_end", attempt=self.attempts.current, findings=len(self.findings))
+        self.attempts.begin(attempt, time.time())
+        self.events.write("attempt", attempt=attempt)
+        self.console.info(f"attempt {attempt} of the job started (elastic restart): its ranks are judged afresh")
+        self._fresh_detectors()
+        self.ranks.clear()
+        self._step_history.clear()
+        self._step_walls.clear()
+        self.numerically_named.clear()
+        self.pending_stacks.clear()
+        self.pending_fetch.clear()
+        self.root_found = False
+
     # ---- messages -------------------------------------------------------------------------
     def handle(self, identity: bytes, msg, now: float) -> None:
         node = self.nodes.setdefault(
@@ -176,9 +216,17 @@ class Coordinator:
             node["agent"] = True  # the supervisor's one-off launcher report is not an agent
         if isinstance(msg, NodeDigest):
             node["host"] = msg.host
+            current = []
             for st in msg.ranks:
+                if self.attempts.is_stale(st.attempt):
+                    continue  # the last look at a rank of an attempt that has ended
+                if self.attempts.is_newer(st.attempt):
+                    self._next_attempt(st.attempt, now)
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
                 self.rank_node[st.rank] = identity
+                current.append(st)
+            if len(current) != len(msg.ranks):  # detectors see the current attempt's ranks only
+                msg = msgspec.structs.replace(msg, ranks=current)
             for detector in self.detectors:
                 detector.observe(msg, now)
             for st in msg.ranks:
@@ -528,6 +576,8 @@ class Coordinator:
             if self.endpoint.send(ident, Command(kind="dump_stacks", request_id=rid, ranks=ranks)):
                 sent.update(ranks)
         self.pending_stacks[rid] = PendingStacks(suspect.finding, sent, now + self.stack_timeout_s)
+        if sent:  # a wait of up to stack_timeout_s before the finding shows: say what is happening
+            self.console.info(f"{suspect.finding.kind} suspected: collecting stacks from {len(sent)} rank(s)...")
         self.events.write(
             "suspect", finding_kind=suspect.finding.kind, ranks=suspect.finding.culprit_ranks, request=rid
         )
@@ -597,6 +647,18 @@ class Coordinator:
                     self.emit(f, now)
 
     def emit(self, finding: Finding, now: float) -> None:
+        finding.attempt = self.attempts.current
+        earlier = self.attempts.earlier_blame(finding)
+        if earlier is not None:  # the same culprit, the same kind of fault: named once, in its first attempt
+            self.events.write(
+                "repeat",
+                finding_kind=finding.kind,
+                culprits=finding.culprit_ranks,
+                attempt=finding.attempt,
+                first_attempt=earlier,
+                summary=finding.summary,
+            )
+            return
         key = finding.key()
         if key in self.emitted:
             return
@@ -619,6 +681,8 @@ class Coordinator:
         self.findings_sink.finding(finding)
         self.events.write("finding", finding_kind=finding.kind, culprits=finding.culprit_ranks, summary=finding.summary)
         self.console.finding(finding)
+        self.attempts.record(finding)
+        self.handoff.on_finding(finding, self.findings)
         if self.metrics:
             self.metrics.on_finding(finding)
         if self.notifier:
@@ -661,6 +725,7 @@ class Coordinator:
         self.aborting = True
         self.console.warn(f"stopping the training job ({reason}; --abort-on)")
         self.events.write("abort", reason=reason)
+        self.handoff.mark_abort()  # before the ranks are stopped: their teardown output stays off the terminal
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="abort", request_id=next(self.request_ids)))
 
@@ -742,6 +807,7 @@ class Coordinator:
             "coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected), **counters
         )
         self.evidence_log.close()
+        self.handoff.finish()
         self.endpoint.close()
         if self.metrics:
             self.metrics.close()
@@ -776,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
         _log.warning("setting ignored: %s", problem)
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     endpoint = CoordinatorEndpoint(args.bind, secret)
+    settings = config.from_environ()[0]
     rich = {"auto": None, "rich": True, "plain": False}[args.console]
     console = ConsoleSink(sys.stdout, rich=rich)
     settings = config.from_environ()[0]
@@ -791,6 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_addr=settings.run.metrics_addr,
         metrics_max_ranks=settings.run.metrics_max_ranks,
         notify=notify_urls(settings.run.notify, console.warn),
+        handoff=Handoff(args.run_dir, os.path.basename(os.path.normpath(args.run_dir)), settings.run.on_finding),
     )
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:

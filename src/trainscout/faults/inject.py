@@ -287,10 +287,10 @@ class _ArmedDrill:
 class FaultInjector:
     """The faults one rank must fire, and the once-only bookkeeping that goes with them."""
 
-    def __init__(self, specs: Iterable[FaultSpec], rank: int) -> None:
+    def __init__(self, specs: Iterable[FaultSpec], rank: int, attempt: int = 0) -> None:
         specs = list(specs)
         self.rank = rank
-        self.specs: tuple[FaultSpec, ...] = tuple(s for s in specs if s.applies_to(rank))
+        self.specs: tuple[FaultSpec, ...] = tuple(s for s in specs if s.applies_to(rank, attempt))
         # Creating a process group is itself collective: every rank must join the side group if any rank
         # will later desync onto it, even ranks with no fault of their own.
         self.needs_side_group = any(s.kind == "desync" and s.params.get("what") == "pg" for s in specs)
@@ -300,7 +300,7 @@ class FaultInjector:
         self._drills: list[_ArmedDrill] = []
 
     @classmethod
-    def from_env(cls, rank: int, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
+    def from_env(cls, rank: int, environ: Mapping[str, str] = os.environ, attempt: int = 0) -> FaultInjector | None:
         """The injector for this rank, or None when it has nothing to do (no faults, no side group)."""
         text = environ.get(ENV_VAR, "")
         if not text.strip():
@@ -310,7 +310,7 @@ class FaultInjector:
         except ValueError as exc:  # the CLI validates first; here a bad value must not kill training
             _log(f"rank {rank}: ignoring {ENV_VAR}: {exc}")
             return None
-        injector = cls(specs, rank)
+        injector = cls(specs, rank, attempt)
         return injector if injector.specs or injector.needs_side_group else None
 
     def describe(self) -> str:

@@ -51,7 +51,7 @@ DELAY_HOWS = ("sleep", "busy", "read", "lock", "gpu", "data")
 GRADNOISE_HOWS = ("tensor", "activation")
 OUTFLIP_HOWS = ("hook", "patch")
 
-_COMMON_KEYS = ("rank", "step")
+_COMMON_KEYS = ("rank", "step", "attempt")
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,10 @@ class FaultSpec:
     ranks: tuple[int, ...] | None
     step: int
     params: dict = field(default_factory=dict)
+    attempt: int | None = None  # only in this restart attempt of the job (torchrun --max-restarts); None: every one
 
-    def applies_to(self, rank: int) -> bool:
-        return self.ranks is None or rank in self.ranks
+    def applies_to(self, rank: int, attempt: int = 0) -> bool:
+        return (self.ranks is None or rank in self.ranks) and (self.attempt is None or self.attempt == attempt)
 
     def to_text(self) -> str:
         """The spec in the form parse_faults reads (round-trips), e.g. for logs and child environments.
@@ -74,9 +75,11 @@ class FaultSpec:
         empty default (``tensor=``) is no valid key=value.
         """
         defaults = _KIND_PARAMS.get(self.kind, {})
-        tail = [f"step={self.step}"] + [
-            f"{k}={format_value(v)}" for k, v in self.params.items() if k not in defaults or v != defaults[k]
-        ]
+        tail = (
+            [f"step={self.step}"]
+            + ([f"attempt={self.attempt}"] if self.attempt is not None else [])
+            + [f"{k}={format_value(v)}" for k, v in self.params.items() if k not in defaults or v != defaults[k]]
+        )
         ranks = ["all"] if self.ranks is None else [str(r) for r in self.ranks]
         return ";".join(":".join([self.kind, f"rank={r}", *tail]) for r in ranks)
 
@@ -226,6 +229,7 @@ def parse_fault(token: str) -> FaultSpec:
     valid_keys = _COMMON_KEYS + tuple(defaults)
     ranks: tuple[int, ...] | None = None  # rank omitted = every rank
     step = DEFAULT_STEP
+    attempt: int | None = None
     params = dict(defaults)
     seen: set[str] = set()
     for item in items:
@@ -246,11 +250,13 @@ def parse_fault(token: str) -> FaultSpec:
             ranks = _parse_ranks(value, token)
         elif key == "step":
             step = _parse_int("step", value, token, minimum=0)
+        elif key == "attempt":
+            attempt = _parse_int("attempt", value, token, minimum=0)
         else:
             params[key] = _PARAM_PARSERS[(kind, key)](key, value, token)
     if kind == "corrupt":
         _check_corrupt_combination(params, seen, token)
-    return FaultSpec(kind=kind, ranks=ranks, step=step, params=params)
+    return FaultSpec(kind=kind, ranks=ranks, step=step, params=params, attempt=attempt)
 
 
 def parse_faults(text: str) -> list[FaultSpec]:

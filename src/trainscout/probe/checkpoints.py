@@ -18,6 +18,7 @@ from trainscout.channel.layout import trust_path
 
 CERT_SUFFIX = ".trainscout-cert.json"
 DIR_CERT_NAME = "trainscout-cert.json"
+CERT_INDEX = "certificates.jsonl"  # in the run folder: where each certificate of the run was written
 
 
 def read_trust(run_id: str) -> dict:
@@ -66,6 +67,19 @@ def write_certificate(cert: dict, target: str) -> str | None:
         return None
 
 
+def record_certificate(run_dir: str, cert_path: str, cert: dict) -> None:
+    """Tell the run where a certificate was written (the coordinator's verdict names the checkpoint to restart
+    from): one short line appended to the run folder's index, in one write."""
+    if not run_dir:
+        return
+    line = json.dumps({"certificate": cert_path, "checkpoint": cert["checkpoint"], "step": cert["step"]}) + "\n"
+    fd = os.open(os.path.join(run_dir, CERT_INDEX), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 class CheckpointHooks:
     def __init__(self, run_id: str, rank: int, get_step, on_error, on_duration=None) -> None:
         self.on_duration = on_duration  # (wall s, cpu s) spent saving, for the step timings
@@ -82,6 +96,7 @@ class CheckpointHooks:
                 path = write_certificate(cert, os.fspath(target))
                 if path:
                     self.written.append(path)
+                    record_certificate(cert["run_dir"], path, cert)
         except Exception as exc:
             self.on_error(f"checkpoint certificate not written: {exc!r}")
 

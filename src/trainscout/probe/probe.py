@@ -54,8 +54,10 @@ class Probe:
         settings: config.Config | None = None,
         run_dir: str | None = None,
         inject: str = "",
+        attempt: int = 0,
     ) -> None:
         cfg = settings or config.Config()
+        self.attempt = attempt  # the launcher's restart attempt (torchrun --max-restarts)
         checks = cfg.checks
         self._log_level = cfg.run.log_level
         self.run_dir = run_dir
@@ -66,7 +68,7 @@ class Probe:
         self.step = 0
         self.errors = 0  # internal errors so far (each sent to the agent in order)
         self._primary_optimizer: int | None = None  # id() of the optimizer whose steps count
-        self.writer = ChannelWriter(run_id, rank, local_rank, world_size)
+        self.writer = ChannelWriter(run_id, rank, local_rank, world_size, attempt)
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self.report_error)
         self.publisher: Publisher | None = Publisher(  # None in a forked child
@@ -152,7 +154,7 @@ class Probe:
             return None
         from trainscout.faults.inject import FaultInjector
 
-        return FaultInjector.from_env(self.rank, {"TRAINSCOUT_INJECT": self._inject})
+        return FaultInjector.from_env(self.rank, {"TRAINSCOUT_INJECT": self._inject}, attempt=self.attempt)
 
     def report_error(self, text: str) -> None:
         """An internal error (the check it came from is then off): each one goes to the agent as a ring record,
@@ -546,6 +548,7 @@ def start() -> Probe | None:
         settings,
         run_dir=os.environ.get("TRAINSCOUT_RUN_DIR"),
         inject=os.environ.get("TRAINSCOUT_INJECT", ""),
+        attempt=_env_number("TORCHELASTIC_RESTART_COUNT", 0),  # set by torchrun in every worker
     )
     for problem in problems:  # a hand-set value trainscout run did not check: its default serves
         _probe.report_error(problem)

@@ -23,6 +23,7 @@ from trainscout.channel.layout import list_channels, remove_run_files
 from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
 from trainscout.runner import launchers
+from trainscout.runner.handoff import ABORT_MARK, attempt_lines_of
 from trainscout.runner.launcher_log import worker_exits
 from trainscout.runner.launchers import BOOTSTRAP_DIR, PKG_PARENT  # noqa: F401  (re-exported)
 from trainscout.sinks import ConsoleSink, EventLog, probe_costs, report_html, write_summary
@@ -108,6 +109,8 @@ class Supervisor:
         self.notes: list[str] = []
         self._launcher_text: list[str] = []
         self._interrupted = 0
+        self.interrupted_by = 0  # the first signal that asked this supervisor to stop the job
+        self._muted = False  # the launcher's output no longer goes to the terminal (the job is stopped on purpose)
         self._lost: set[str] = set()
         self.started = time.time()
 
@@ -205,9 +208,20 @@ class Supervisor:
                 del self._launcher_text[:10000]
             with open(os.path.join(self.run_dir, "launcher.log"), "a") as log:
                 log.write(line)
-            if not self.opts.quiet_launcher:
+            if not self.opts.quiet_launcher and not self._stopping_on_purpose():
                 out.write(line)
                 out.flush()
+
+    def _stopping_on_purpose(self) -> bool:
+        """Once the coordinator stops the job (--abort-on), the ranks' and launcher's teardown tracebacks are
+        expected noise: from then on the launcher's output goes to launcher.log only."""
+        if not self._muted and os.path.exists(os.path.join(self.run_dir, ABORT_MARK)):
+            self._muted = True
+            self.console.info(
+                "stopping the job: waiting for the launcher to end its ranks (its output: "
+                f"{os.path.join(self.run_dir, 'launcher.log')})..."
+            )
+        return self._muted
 
     # ---- run ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -246,6 +260,7 @@ class Supervisor:
 
     def _on_signal(self, signum, frame) -> None:
         self._interrupted += 1
+        self.interrupted_by = self.interrupted_by or signum
         if self.launcher is None or self.launcher.poll() is not None:
             return
         sig = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
@@ -312,6 +327,7 @@ class Supervisor:
 
     def _shutdown_tools(self, code: int | None) -> None:
         self._watch_tools()
+        self.console.info("job ended: collecting the last reports of the agent and coordinator...")
         self._stop(self.agent, 5)
         self._stop(self.coordinator, 8)
         self._kill_leftover_ranks()
@@ -346,6 +362,7 @@ class Supervisor:
         if topology:
             notes.insert(0, topology)
         notes.extend(monitoring_gap_lines(os.path.join(self.run_dir, "events.jsonl")))
+        notes.extend(attempt_lines_of(os.path.join(self.run_dir, "events.jsonl")))
         write_summary(
             os.path.join(self.run_dir, "summary.md"),
             run_id=self.run_id,

@@ -142,6 +142,7 @@ class RankState(msgspec.Struct, array_like=True):
     numerics: list[NumericRecord] = []  # per-step loss and layer gradient norms since the previous digest
     numeric_layers: list[str] = []  # the layers NumericRecord.norms follow
     device: str = ""  # the accelerator the rank computes on (a CUDA device's UUID); "" on CPU
+    attempt: int = 0  # the launcher's restart attempt this process belongs to (torchrun --max-restarts)
 
 
 class Hello(msgspec.Struct, tag=True):
