@@ -104,6 +104,13 @@ class Run:
         flag="--console",
         doc="finding output style (auto: rich on a terminal, plain lines otherwise)",
     )
+    tool_restarts: int = setting(
+        10,
+        "TRAINSCOUT_TOOL_RESTARTS",
+        low=0,
+        high=1000,
+        doc="times a dead agent or coordinator is restarted, each (0: never; monitoring then ends with it)",
+    )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from conftest import Job, free_port, read_events, read_jsonl, trainscout_cmd, un
 
 pytestmark = pytest.mark.slow
 
+NO_RESTARTS = {"TRAINSCOUT_TOOL_RESTARTS": "0"}
 STEPS = 120  # 6-20 s of training (50-150 ms/step): the job runs well past the tool's death
 
 
@@ -54,7 +55,9 @@ def _child_running(job: Job, module: str) -> psutil.Process:
 
 @pytest.mark.parametrize("component,module", [("agent", "trainscout.agent"), ("coordinator", "trainscout.coordinator")])
 def test_training_survives_a_killed_tool_process(jobs, tmp_path, component, module):
-    job = _demo_job(jobs, tmp_path, f"kill-{component}")
+    # restarts off: the run must end cleanly and say so when the tool is not brought back (test_self_heal.py
+    # covers the restarts)
+    job = _demo_job(jobs, tmp_path, f"kill-{component}", env=NO_RESTARTS)
     job.wait_for_launcher_text("step 10")
     victim = _child_running(job, module)
     victim.send_signal(signal.SIGKILL)
@@ -105,7 +108,7 @@ def test_state_last_reported_by_a_dead_agent_is_not_judged_as_a_hang(jobs, tmp_p
         "--console",
         "plain",
     )
-    job = jobs(args, tmp_path, run_id)
+    job = jobs(args, tmp_path, run_id, env=NO_RESTARTS)
     job.wait_for_launcher_text("step 10")
     victim = _child_running(job, "trainscout.agent")
     victim.send_signal(signal.SIGKILL)

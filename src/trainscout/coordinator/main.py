@@ -35,7 +35,7 @@ from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors.straggler import StragglerDetector
 from trainscout.detectors.where_time_goes import where_time_goes
 from trainscout.findings import HPZ_RACE
-from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding
+from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, NONFINITE, SDC, STALL, Finding, from_json
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
@@ -205,15 +205,36 @@ class Coordinator:
         elif isinstance(msg, RecordsReport):
             self._on_records(msg, now)
         elif isinstance(msg, LauncherReport):
-            self.launcher_done = True
+            self.launcher_done = self.launcher_done or msg.final  # not final: exits seen while it runs
             for rank, code, _pid in msg.worker_exits:
                 self.launcher_codes[rank] = code
-            self.events.write("launcher_exit", exit_code=msg.exit_code, workers=msg.worker_exits)
+            self.events.write(
+                "launcher_exit" if msg.final else "worker_exits", exit_code=msg.exit_code, workers=msg.worker_exits
+            )
         elif isinstance(msg, Hello):
             self.events.write("agent_hello", node=msg.node_id, host=msg.host, pid=msg.agent_pid)
         elif isinstance(msg, Goodbye):
             node["gone"] = True
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
+
+    def resume(self) -> int:
+        """A restarted coordinator takes over its predecessor's findings (findings.jsonl) so that none is
+        emitted twice; the ranks' state comes back with the agents' next digests. Returns how many."""
+        try:
+            with open(self.findings_sink.path, "rb") as fh:
+                earlier = [from_json(line) for line in fh if line.strip()]
+        except (OSError, ValueError):
+            return 0
+        for f in earlier:
+            self.emitted.add(f.key())
+            self.findings.append(f)
+            if f.kind in ("sdc", "nonfinite"):
+                for r in f.culprit_ranks:
+                    self.numerically_named.setdefault(r, f.step or 0)
+            self.root_found = self.root_found or f.kind in ROOT_KINDS
+        if earlier:
+            self.events.write("coordinator_resumed", findings=len(earlier))
+        return len(earlier)
 
     def _take_devices(self, msg: NodeDigest, now: float) -> None:
         """The node's GPU readings: to the device-health detector, and which rank's process runs on which GPU."""
@@ -792,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         abort_on={k for k in args.abort_on.split(",") if k},
         gpu_stragglers=config.from_environ()[0].stragglers.gpu,
     )
+    coord.resume()  # after a restart: what was already emitted stays emitted once
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:
         fh.write(endpoint.address)

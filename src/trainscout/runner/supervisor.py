@@ -3,7 +3,9 @@
 The training launcher gets the probe through PYTHONPATH (a sitecustomize bootstrap); the agent and
 the coordinator run in their own sessions so a Ctrl-C reaches only this supervisor, which then stops
 the launcher first, lets the agent and coordinator record the end, and removes shared memory. If the
-agent or coordinator dies, training goes on and the run ends with a message that monitoring was lost.
+agent or coordinator dies, training goes on; the supervisor starts it again (bounded, with backoff: see
+`restarts`), the coordinator on the same address, and summary.md lists every gap. Past the limit the run
+ends with a message that monitoring was lost.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from trainscout.channel.layout import list_channels, remove_run_files
 from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
 from trainscout.runner.launcher_log import worker_exits
+from trainscout.runner.live_exits import LiveExitReporter
+from trainscout.runner.restarts import RestartPolicy
 from trainscout.sinks import ConsoleSink, EventLog, probe_costs, write_summary
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
@@ -49,6 +53,7 @@ class RunOptions:
     fr_buffer: int = 256
     quiet_launcher: bool = False
     settings: dict[str, str] = field(default_factory=dict)  # the checked settings, as their environment variables
+    tool_restarts: int = config.RUN.tool_restarts  # restarts of a dead agent or coordinator, each
 
 
 def live_ranks(run_id: str) -> dict[int, int]:
@@ -108,6 +113,10 @@ class Supervisor:
         self._interrupted = 0
         self._lost: set[str] = set()
         self.started = time.time()
+        self.address = ""  # the coordinator's, as the agent connects to it
+        self.restarts = RestartPolicy(limit=opts.tool_restarts)
+        self._restart_due: dict[str, float] = {}  # component -> monotonic time to start it again
+        self._tool_started: dict[str, float] = {}  # component -> monotonic time it was last started
 
     # ---- start ----------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
@@ -116,8 +125,10 @@ class Supervisor:
         env["TRAINSCOUT_SECRET"] = self.secret_hex
         return env
 
-    def _start_coordinator(self) -> str:
-        bind = "tcp://127.0.0.1:0"
+    def _start_coordinator(self, bind: str = "") -> str:
+        """Start the coordinator and return its address ("" if a restart on `bind` did not come up)."""
+        restart = bool(bind)
+        bind = bind or "tcp://127.0.0.1:0"
         if self.opts.coordinator_addr:
             host, _, port = self.opts.coordinator_addr.rpartition(":")
             bind = f"tcp://{host or '0.0.0.0'}:{port}"
@@ -144,14 +155,22 @@ class Supervisor:
         if os.path.exists(addr_file):
             os.unlink(addr_file)
         self.coordinator = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
+        self._tool_started["coordinator"] = time.monotonic()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (self._interrupted and not restart):
             if os.path.exists(addr_file):
                 with open(addr_file) as fh:
                     return fh.read().strip()
             if self.coordinator.poll() is not None:
+                if restart:
+                    return ""
                 raise SystemExit(f"trainscout: the coordinator failed to start (exit {self.coordinator.returncode})")
             time.sleep(0.05)
+        if self._interrupted and not restart:
+            return ""  # Ctrl-C during start-up: run() stops what was started
+        if restart:
+            self._stop(self.coordinator, 5)
+            return ""
         raise SystemExit("trainscout: the coordinator did not start within 30 s")
 
     def _start_agent(self, address: str) -> None:
@@ -171,6 +190,7 @@ class Supervisor:
             str(self.opts.monitor_nice),
         ]
         self.agent = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
+        self._tool_started["agent"] = time.monotonic()
 
     def _launcher_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -189,6 +209,7 @@ class Supervisor:
         return env
 
     def _pump(self, stream, out) -> None:
+        exits = LiveExitReporter(self.secret, f"supervisor-{os.getpid()}-exits", self.opts.node_id or "")
         for line in iter(stream.readline, ""):
             self._launcher_text.append(line)
             if len(self._launcher_text) > 20000:
@@ -198,19 +219,43 @@ class Supervisor:
             if not self.opts.quiet_launcher:
                 out.write(line)
                 out.flush()
+            if "exitcode" in line:  # a worker's exit status, as the launcher reports it
+                exits.update(self.address, "".join(self._launcher_text[-50:]))
+        if exits.sent:
+            time.sleep(0.3)  # let the last report leave before the socket closes
+        exits.close()
 
     # ---- run ------------------------------------------------------------------------------
     def run(self) -> int:
+        # The handlers come first: a Ctrl-C at any moment of start-up stops what was started so far.
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _stopped_in_start_up(self) -> int:
+        self.events.write("interrupted_in_start_up")
+        self.console.warn("interrupted while starting: stopping what was started")
+        self._shutdown_tools(None)
+        return 128 + signal.SIGINT
+
+    def _run(self) -> int:
         if self.opts.serve_coordinator:
-            address = self._start_coordinator()
+            self.address = self._start_coordinator()
         else:
             host, _, port = (self.opts.coordinator_addr or "").rpartition(":")
-            address = f"tcp://{host}:{port}"
+            self.address = f"tcp://{host}:{port}"
+        if self._interrupted:
+            return self._stopped_in_start_up()
+        address = self.address
         self.events.write("start", run_id=self.run_id, command=self.opts.command, coordinator=address)
         self._start_agent(address)
         self.console.info(f"run {self.run_id}: monitoring {' '.join(self.opts.command)}")
         self.console.info(f"findings and report: {self.run_dir}")
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if self._interrupted:
+            return self._stopped_in_start_up()
         try:
             self.launcher = subprocess.Popen(
                 self.opts.command,
@@ -224,14 +269,15 @@ class Supervisor:
         except OSError as exc:
             self._shutdown_tools(None)
             raise SystemExit(f"trainscout: cannot start {self.opts.command[0]!r}: {exc}") from None
+        if self._interrupted:  # the Ctrl-C came while it was being started: it gets it now
+            self._interrupted -= 1
+            self._on_signal(signal.SIGINT, None)
         pump = threading.Thread(target=self._pump, args=(self.launcher.stdout, sys.stdout), daemon=True)
         pump.start()
         code = self._wait_launcher()
         pump.join(timeout=5)
-        self._report_launcher(address, code)
+        self._report_launcher(self.address, code)
         self._shutdown_tools(code)
-        for s, h in previous.items():
-            signal.signal(s, h)
         return code
 
     def _on_signal(self, signum, frame) -> None:
@@ -260,8 +306,8 @@ class Supervisor:
 
         waiter = threading.Thread(target=wait, daemon=True, name="launcher-wait")
         waiter.start()
-        while not done.wait(1.0):
-            self._watch_tools()
+        while not done.wait(self._watch_period()):
+            self._watch_tools(restart=not self._interrupted)
         code = launcher.wait()
         # the launcher is gone; anything it left behind in its process group goes too
         try:
@@ -270,9 +316,27 @@ class Supervisor:
             pass
         return code
 
-    def _watch_tools(self) -> None:
+    def _watch_period(self) -> float:
+        """Once a second; sooner when a restart falls due before that."""
+        if not self._restart_due:
+            return 1.0
+        return max(0.05, min(1.0, min(self._restart_due.values()) - time.monotonic()))
+
+    def _watch_tools(self, restart: bool = False) -> None:
         for name, proc in (("coordinator", self.coordinator), ("agent", self.agent)):
-            if proc is not None and proc.poll() is not None and name not in self._lost:
+            if proc is None or proc.poll() is None or name in self._lost or name in self._restart_due:
+                continue
+            ran_s = time.monotonic() - self._tool_started.get(name, time.monotonic())
+            delay = self.restarts.died(name, proc.returncode, ran_s, time.time()) if restart else None
+            if delay is not None:
+                self._restart_due[name] = time.monotonic() + delay
+                n = self.restarts.restarts.get(name, 0) + 1
+                self.console.warn(
+                    f"the {name} exited (code {proc.returncode}) at {time.strftime('%H:%M:%S')}: "
+                    f"restarting it in {delay:.1f} s (restart {n} of {self.restarts.limit})"
+                )
+                self.events.write("tool_died", component=name, code=proc.returncode, restart_in_s=delay)
+            else:
                 self._lost.add(name)
                 note = (
                     f"monitoring was lost: the {name} exited (code {proc.returncode}) at "
@@ -281,6 +345,35 @@ class Supervisor:
                 self.notes.append(note)
                 self.console.warn(note)
                 self.events.write("monitoring_lost", component=name, code=proc.returncode)
+        if restart:
+            for name, due in list(self._restart_due.items()):
+                if time.monotonic() >= due:
+                    del self._restart_due[name]
+                    self._restart(name)
+
+    def _restart(self, name: str) -> None:
+        """Start a dead tool again. The coordinator rebinds its address, so the agent's connection comes back
+        by itself; if that address is taken meanwhile, it takes a new one and the agent is restarted on it."""
+        if name == "coordinator":
+            address = self._start_coordinator(bind=self.address)
+            if not address:
+                address = self._start_coordinator(bind="tcp://127.0.0.1:0")
+                if address and self.agent is not None:
+                    self._stop(self.agent, 5)  # connects to the old address: it must be told the new one
+                    self._lost.discard("agent")
+                    self._restart_due.pop("agent", None)
+            if not address:
+                self.restarts.failed_restart(name)
+                self._watch_tools(restart=True)  # counts as another death: the next try waits longer
+                return
+            self.address = address
+            if self.agent is not None and self.agent.poll() is not None and "agent" not in self._restart_due:
+                self._start_agent(self.address)  # the one stopped above for the new address
+        else:
+            self._start_agent(self.address)
+        n = self.restarts.restarted(name, time.time())
+        self.console.info(f"the {name} is running again (restart {n} of {self.restarts.limit})")
+        self.events.write("tool_restarted", component=name, restart=n, pid=getattr(self, name).pid)
 
     def _report_launcher(self, address: str, code: int) -> None:
         exits = worker_exits("".join(self._launcher_text))
@@ -301,6 +394,7 @@ class Supervisor:
             proc.wait()
 
     def _shutdown_tools(self, code: int | None) -> None:
+        self._restart_due.clear()  # the end is no time to bring a tool back
         self._watch_tools()
         self._stop(self.agent, 5)
         self._stop(self.coordinator, 8)
@@ -335,6 +429,7 @@ class Supervisor:
         topology = _topology_line(self.run_dir)
         if topology:
             notes.insert(0, topology)
+        notes.extend(self.restarts.gap_lines())
         notes.extend(monitoring_gap_lines(os.path.join(self.run_dir, "events.jsonl")))
         write_summary(
             os.path.join(self.run_dir, "summary.md"),
