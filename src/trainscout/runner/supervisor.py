@@ -75,6 +75,26 @@ def live_ranks(run_id: str) -> dict[int, int]:
     return found
 
 
+def processes_with_run_id(run_id: str) -> list[int]:
+    """Pids of this host's live processes started with TRAINSCOUT_RUN_ID=run_id (the launcher's descendants)."""
+    needle = f"TRAINSCOUT_RUN_ID={run_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if needle not in fh.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                if fh.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                    continue  # dead already, waiting for its parent
+        except (OSError, IndexError):
+            continue
+        found.append(int(entry))
+    return found
+
+
 def run_dir_of(opts: RunOptions, run_id: str) -> str:
     """This node's folder of a run: the run id on the node that serves the coordinator, else suffixed."""
     suffix = "" if opts.serve_coordinator else f"-{opts.node_id or 'node'}"
@@ -111,6 +131,9 @@ class Supervisor:
         self.notes: list[str] = []
         self._launcher_text: list[str] = []
         self._interrupted = 0
+        self._forwarded_at = 0.0  # monotonic time the first interrupt reached the launcher
+        self._interrupt_seen = False  # the launcher printed that it took it
+        self._interrupt_repeated = False
         self._lost: set[str] = set()
         self.started = time.time()
         self.address = ""  # the coordinator's, as the agent connects to it
@@ -219,6 +242,8 @@ class Supervisor:
             if not self.opts.quiet_launcher:
                 out.write(line)
                 out.flush()
+            if self._forwarded_at and "signal" in line.lower():
+                self._interrupt_seen = True  # torchrun: "Received 2 death signal", DeepSpeed: "... SIGINT"
             if "exitcode" in line:  # a worker's exit status, as the launcher reports it
                 exits.update(self.address, "".join(self._launcher_text[-50:]))
         if exits.sent:
@@ -288,8 +313,24 @@ class Supervisor:
         if self._interrupted >= 3:
             sig = signal.SIGKILL
         self.events.write("signal", signal=signum, forwarded=int(sig))
+        self._forwarded_at = self._forwarded_at or time.monotonic()
         try:
             os.killpg(self.launcher.pid, sig)
+        except OSError:
+            pass
+
+    def _repeat_lost_interrupt(self, after_s: float = 5.0) -> None:
+        """A launcher interrupted while still starting can lose the signal (Python start-up swallows a
+        KeyboardInterrupt here and there) and go on to start the ranks: unless it said it took the signal,
+        it gets it once more."""
+        if not self._forwarded_at or self._interrupt_seen or self._interrupt_repeated:
+            return
+        if time.monotonic() - self._forwarded_at < after_s or self.launcher is None or self.launcher.poll() is not None:
+            return
+        self._interrupt_repeated = True
+        self.events.write("signal_repeated", signal=int(signal.SIGINT))
+        try:
+            os.killpg(self.launcher.pid, signal.SIGINT)
         except OSError:
             pass
 
@@ -308,6 +349,7 @@ class Supervisor:
         waiter.start()
         while not done.wait(self._watch_period()):
             self._watch_tools(restart=not self._interrupted)
+            self._repeat_lost_interrupt()
         code = launcher.wait()
         # the launcher is gone; anything it left behind in its process group goes too
         try:
@@ -412,6 +454,14 @@ class Supervisor:
             try:
                 os.kill(pid, signal.SIGKILL)
                 self.events.write("killed_leftover_rank", rank=rank, pid=pid)
+            except OSError:
+                continue
+        # and those that had no channel yet (the launcher started them in sessions of their own just before
+        # it was stopped): the launcher's environment marks them as this run's
+        for pid in processes_with_run_id(self.run_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.events.write("killed_leftover_process", pid=pid)
             except OSError:
                 continue
 
