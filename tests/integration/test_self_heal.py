@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -184,3 +185,56 @@ def _resumed_at(events: Path) -> int:
         if e["kind"] == "coordinator_resumed":
             return i
     return len(rows)
+
+
+def test_a_coordinator_whose_port_was_taken_comes_back_on_another_and_the_agent_follows(jobs, tmp_path):
+    run_id = unique_run_id("heal-port")
+    fault_log = tmp_path / "faults.jsonl"
+    args = trainscout_cmd(
+        "run",
+        "--run-dir",
+        str(tmp_path),
+        "--run-id",
+        run_id,
+        "--console",
+        "plain",
+        "--abort-on",
+        "hang",
+        "--inject",
+        "hang:rank=2:step=150;slow:rank=all:step=0:ms=100",
+        "--",
+        *torchrun_cmd(
+            "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", "2000"
+        ),
+    )
+    job = jobs(args, tmp_path, run_id, env={"TRAINSCOUT_FAULT_LOG": str(fault_log)})
+    job.wait_for_launcher_text("step 5")
+    old_address = (job.run_path / "coordinator.addr").read_text().strip()
+    host, _, port = old_address.removeprefix("tcp://").rpartition(":")
+    victim = _tool(job, "coordinator")
+    assert victim is not None
+    old_agent = _tool(job, "agent")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind((host, int(port)))  # before the restart (it waits 0.5 s): the old port is someone else's
+    squatter.listen()
+    try:
+        deadline = time.monotonic() + 40
+        while _restarts(job, "coordinator") < 1:
+            assert time.monotonic() < deadline and job.proc.poll() is None, job.output()[-4000:]
+            time.sleep(0.1)
+        new_address = (job.run_path / "coordinator.addr").read_text().strip()
+        assert new_address != old_address
+        assert f"it moved to {new_address}" in job.output()
+        new_agent = _tool(job, "agent")
+        assert old_agent is not None and new_agent is not None and new_agent.pid != old_agent.pid
+        assert "hang" not in (fault_log.read_text() if fault_log.exists() else ""), job.output()[-3000:]
+        result = job.wait()
+    finally:
+        squatter.close()
+
+    hangs = [f for f in result.raw_findings if f["kind"] == "hang"]
+    assert len(hangs) == 1 and hangs[0]["culprit_ranks"] == [2], result.describe()
+    assert len(result.raw_findings) == 1, result.describe()

@@ -400,6 +400,9 @@ class Supervisor:
             address = self._start_coordinator(bind=self.address)
             if not address:
                 address = self._start_coordinator(bind="tcp://127.0.0.1:0")
+                if address:
+                    self.console.warn(f"the coordinator's address {self.address} was taken: it moved to {address}")
+                    self.events.write("coordinator_moved", old=self.address, new=address)
                 if address and self.agent is not None:
                     self._stop(self.agent, 5)  # connects to the old address: it must be told the new one
                     self._lost.discard("agent")
