@@ -1,7 +1,8 @@
 """trainscout's own failures never stop training: a dead agent or coordinator, or garbage on the wire.
 
 The agent and the coordinator are out-of-band processes; when one of them dies the job must run to its
-end with its own exit code, and the run must say that monitoring was lost (terminal and summary.md). The
+end with its own exit code. The supervisor restarts them (test_self_heal.py); with restarts off
+(TRAINSCOUT_TOOL_RESTARTS=0) or spent, the run must say that monitoring was lost (terminal and summary.md). The
 coordinator listens on a TCP port, so it must drop and count any frame that is not a correctly signed
 message, and go on working.
 """

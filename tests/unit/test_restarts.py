@@ -38,3 +38,12 @@ def test_no_restarts_when_the_limit_is_zero():
     policy = RestartPolicy(limit=0)
     assert policy.died("agent", 1, ran_s=5, now=0) is None
     assert "was not restarted" in policy.gap_lines()[0]
+
+
+def test_a_restart_that_did_not_come_up_extends_the_same_gap():
+    policy = RestartPolicy(limit=3, base_s=0.5, cap_s=8, healthy_s=60)
+    assert policy.died("coordinator", -9, ran_s=5, now=10) == 0.5
+    policy.failed_restart("coordinator")
+    assert policy.died("coordinator", 1, ran_s=0.2, now=11) == 1.0
+    policy.restarted("coordinator", now=13)
+    assert len(policy.gaps) == 1 and (policy.gaps[0].since, policy.gaps[0].until) == (10, 13)

@@ -56,8 +56,10 @@ class RestartPolicy:
 
     def died(self, component: str, code: int | None, ran_s: float, now: float) -> float | None:
         """Record a death; the delay before the restart, or None when the limit is spent."""
-        gap = Gap(component, now, code=code)
-        self.gaps.append(gap)
+        gap = self._open.get(component)  # a restart that did not come up extends the gap it was to close
+        if gap is None:
+            gap = Gap(component, now, code=code)
+            self.gaps.append(gap)
         if self.restarts.get(component, 0) >= self.limit:
             return None
         self._open[component] = gap

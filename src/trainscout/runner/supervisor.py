@@ -397,6 +397,7 @@ class Supervisor:
         """Start a dead tool again. The coordinator rebinds its address, so the agent's connection comes back
         by itself; if that address is taken meanwhile, it takes a new one and the agent is restarted on it."""
         if name == "coordinator":
+            moved = False
             address = self._start_coordinator(bind=self.address)
             if not address:
                 address = self._start_coordinator(bind="tcp://127.0.0.1:0")
@@ -405,15 +406,15 @@ class Supervisor:
                     self.events.write("coordinator_moved", old=self.address, new=address)
                 if address and self.agent is not None:
                     self._stop(self.agent, 5)  # connects to the old address: it must be told the new one
-                    self._lost.discard("agent")
-                    self._restart_due.pop("agent", None)
+                    moved = True
             if not address:
                 self.restarts.failed_restart(name)
                 self._watch_tools(restart=True)  # counts as another death: the next try waits longer
                 return
             self.address = address
-            if self.agent is not None and self.agent.poll() is not None and "agent" not in self._restart_due:
-                self._start_agent(self.address)  # the one stopped above for the new address
+            if moved:
+                self._start_agent(self.address)  # the one stopped above, on the new address
+                self._restart_due.pop("agent", None)
         else:
             self._start_agent(self.address)
         n = self.restarts.restarted(name, time.time())
