@@ -160,7 +160,9 @@ class Coordinator:
         node = self.nodes.setdefault(
             identity, {"last": now, "name": identity.decode(errors="replace"), "lost": False, "gone": False}
         )
-        if node["lost"]:
+        # back only with fresh news of its ranks: a restarted agent's Hello comes first, and judging the ranks'
+        # state from before the silence would blame one of them for the monitor's own blindness
+        if node["lost"] and isinstance(msg, NodeDigest):
             node["lost"] = False
             self.console.info(f"agent {node['name']} is reporting again")
             self.events.write("agent_back", node=node["name"], silent_s=round(now - node["last"], 1))
