@@ -243,6 +243,7 @@ def _run(args, command: list[str], on_done=None) -> int:
         stack_method=cfg.run.stack_method,
         console=cfg.run.console,
         monitor_nice=cfg.run.monitor_nice,
+        tool_restarts=cfg.run.tool_restarts,
         settings=config.to_environ(cfg),
     )
     problem = _run_place_problem(args.run_dir, args.run_id)

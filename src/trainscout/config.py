@@ -152,6 +152,13 @@ class Run:
         doc="what `trainscout run` exits with: verdict (0 job succeeded, 3 job failed and a culprit named, "
         "4 job failed and nobody named) or launcher (the launcher's own exit code)",
     )
+    tool_restarts: int = setting(
+        10,
+        "TRAINSCOUT_TOOL_RESTARTS",
+        low=0,
+        high=1000,
+        doc="times a dead agent or coordinator is restarted, each (0: never; monitoring then ends with it)",
+    )
 
 
 @dataclass(frozen=True)

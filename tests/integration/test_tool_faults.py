@@ -1,7 +1,8 @@
 """trainscout's own failures never stop training: a dead agent or coordinator, or garbage on the wire.
 
 The agent and the coordinator are out-of-band processes; when one of them dies the job must run to its
-end with its own exit code, and the run must say that monitoring was lost (terminal and summary.md). The
+end with its own exit code. The supervisor restarts them (test_self_heal.py); with restarts off
+(TRAINSCOUT_TOOL_RESTARTS=0) or spent, the run must say that monitoring was lost (terminal and summary.md). The
 coordinator listens on a TCP port, so it must drop and count any frame that is not a correctly signed
 message, and go on working.
 """
@@ -21,6 +22,7 @@ from conftest import Job, free_port, read_events, read_jsonl, trainscout_cmd, un
 
 pytestmark = pytest.mark.slow
 
+NO_RESTARTS = {"TRAINSCOUT_TOOL_RESTARTS": "0"}
 STEPS = 120  # 6-20 s of training (50-150 ms/step): the job runs well past the tool's death
 
 
@@ -54,7 +56,9 @@ def _child_running(job: Job, module: str) -> psutil.Process:
 
 @pytest.mark.parametrize("component,module", [("agent", "trainscout.agent"), ("coordinator", "trainscout.coordinator")])
 def test_training_survives_a_killed_tool_process(jobs, tmp_path, component, module):
-    job = _demo_job(jobs, tmp_path, f"kill-{component}")
+    # restarts off: the run must end cleanly and say so when the tool is not brought back (test_self_heal.py
+    # covers the restarts)
+    job = _demo_job(jobs, tmp_path, f"kill-{component}", env=NO_RESTARTS)
     job.wait_for_launcher_text("step 10")
     victim = _child_running(job, module)
     victim.send_signal(signal.SIGKILL)
@@ -105,7 +109,7 @@ def test_state_last_reported_by_a_dead_agent_is_not_judged_as_a_hang(jobs, tmp_p
         "--console",
         "plain",
     )
-    job = jobs(args, tmp_path, run_id)
+    job = jobs(args, tmp_path, run_id, env=NO_RESTARTS)
     job.wait_for_launcher_text("step 10")
     victim = _child_running(job, "trainscout.agent")
     victim.send_signal(signal.SIGKILL)

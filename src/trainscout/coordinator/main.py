@@ -34,7 +34,7 @@ from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors.state import ReplicaStateDetector, verified_window
 from trainscout.detectors.where_time_goes import where_time_goes
 from trainscout.findings import CRASH, DESYNC, EARLY_EXIT, HANG, HEALTH, HPZ_RACE, NONFINITE, SDC, STALL, STRAGGLER
-from trainscout.findings import Finding
+from trainscout.findings import Finding, from_json
 from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.runner.handoff import Handoff
@@ -207,7 +207,9 @@ class Coordinator:
         node = self.nodes.setdefault(
             identity, {"last": now, "name": identity.decode(errors="replace"), "lost": False, "gone": False}
         )
-        if node["lost"]:
+        # back only with fresh news of its ranks: a restarted agent's Hello comes first, and judging the ranks'
+        # state from before the silence would blame one of them for the monitor's own blindness
+        if node["lost"] and isinstance(msg, NodeDigest):
             node["lost"] = False
             self.console.info(f"agent {node['name']} is reporting again")
             self.events.write("agent_back", node=node["name"], silent_s=round(now - node["last"], 1))
@@ -244,15 +246,36 @@ class Coordinator:
         elif isinstance(msg, RecordsReport):
             self._on_records(msg, now)
         elif isinstance(msg, LauncherReport):
-            self.launcher_done = True
+            self.launcher_done = self.launcher_done or msg.final  # not final: exits seen while it runs
             for rank, code, _pid in msg.worker_exits:
                 self.launcher_codes[rank] = code
-            self.events.write("launcher_exit", exit_code=msg.exit_code, workers=msg.worker_exits)
+            self.events.write(
+                "launcher_exit" if msg.final else "worker_exits", exit_code=msg.exit_code, workers=msg.worker_exits
+            )
         elif isinstance(msg, Hello):
             self.events.write("agent_hello", node=msg.node_id, host=msg.host, pid=msg.agent_pid)
         elif isinstance(msg, Goodbye):
             node["gone"] = True
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
+
+    def resume(self) -> int:
+        """A restarted coordinator takes over its predecessor's findings (findings.jsonl) so that none is
+        emitted twice; the ranks' state comes back with the agents' next digests. Returns how many."""
+        try:
+            with open(self.findings_sink.path, "rb") as fh:
+                earlier = [from_json(line) for line in fh if line.strip()]
+        except (OSError, ValueError):
+            return 0
+        for f in earlier:
+            self.emitted.add(f.key())
+            self.findings.append(f)
+            if f.kind in ("sdc", "nonfinite"):
+                for r in f.culprit_ranks:
+                    self.numerically_named.setdefault(r, f.step or 0)
+            self.root_found = self.root_found or f.kind in ROOT_KINDS
+        if earlier:
+            self.events.write("coordinator_resumed", findings=len(earlier))
+        return len(earlier)
 
     def _probe_error(self, rank: int, err: str) -> None:
         if (rank, err) not in self._seen_errors:
@@ -860,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         notify=notify_urls(settings.run.notify, console.warn),
         handoff=Handoff(args.run_dir, os.path.basename(os.path.normpath(args.run_dir)), settings.run.on_finding),
     )
+    coord.resume()  # after a restart: what was already emitted stays emitted once
     addr_file = os.path.join(args.run_dir, "coordinator.addr")
     with open(addr_file + ".tmp", "w") as fh:
         fh.write(endpoint.address)

@@ -77,8 +77,17 @@ def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
 class ExitDetector(DetectorBase):
     name = "exits"
 
-    def __init__(self, settle_s: float = 1.0, max_wait_s: float = 4.0, blocked_s: float = HANG_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        settle_s: float = 1.0,
+        max_wait_s: float = 4.0,
+        blocked_s: float = HANG_TIMEOUT_S,
+        launcher_code_wait_s: float = 3.0,
+    ) -> None:
         self.settle_s = settle_s
+        # a rank that vanished without a record (SIGSEGV, SIGKILL) has its signal only in the launcher's
+        # report, which trails its death: the finding waits that long for it rather than say "unknown status"
+        self.launcher_code_wait_s = launcher_code_wait_s
         self.blocked_s = blocked_s
         self.max_wait_s = max_wait_s
         self.done = False
@@ -114,6 +123,12 @@ class ExitDetector(DetectorBase):
         waited = now - root_at
         settled = launcher_done or not alive
         if waited < (self.settle_s if settled else self.max_wait_s):
+            return []
+        if (
+            waited < self.launcher_code_wait_s
+            and not launcher_done
+            and _cause_unknown(root_candidates[0], launcher_codes)
+        ):
             return []
         roots = [o for o in root_candidates if _exited_at(o) - root_at <= 0.25 and not is_collateral(o, launcher_codes)]
         roots = roots or [root_candidates[0]]
@@ -210,6 +225,12 @@ class ExitDetector(DetectorBase):
                 "collateral": _collateral(after),
             },
         )
+
+
+def _cause_unknown(o: RankObs, launcher_codes: dict[int, int]) -> bool:
+    """A rank gone without an exit record of its own, whose exit status the launcher has not reported yet."""
+    e = _exit(o)
+    return e.how == "vanished" and not e.signal and o.rank not in launcher_codes
 
 
 def _issued_more(peer: RankObs, gone: RankObs) -> bool:

@@ -3,7 +3,9 @@
 The training launcher gets the probe through PYTHONPATH (a sitecustomize bootstrap); the agent and
 the coordinator run in their own sessions so a Ctrl-C reaches only this supervisor, which then stops
 the launcher first, lets the agent and coordinator record the end, and removes shared memory. If the
-agent or coordinator dies, training goes on and the run ends with a message that monitoring was lost.
+agent or coordinator dies, training goes on; the supervisor starts it again (bounded, with backoff: see
+`restarts`), the coordinator on the same address, and summary.md lists every gap. Past the limit the run
+ends with a message that monitoring was lost.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from trainscout.runner import launchers
 from trainscout.runner.handoff import ABORT_MARK, attempt_lines_of
 from trainscout.runner.launcher_log import worker_exits
 from trainscout.runner.launchers import BOOTSTRAP_DIR, PKG_PARENT  # noqa: F401  (re-exported)
+from trainscout.runner.live_exits import LiveExitReporter
+from trainscout.runner.restarts import RestartPolicy
 from trainscout.sinks import ConsoleSink, EventLog, probe_costs, report_html, write_summary
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
@@ -50,6 +54,7 @@ class RunOptions:
     quiet_launcher: bool = False
     settings: dict[str, str] = field(default_factory=dict)  # the checked settings, as their environment variables
     agent_until_ranks_exit: bool = False  # the agent ends with this node's ranks (`trainscout agent`)
+    tool_restarts: int = config.RUN.tool_restarts  # restarts of a dead agent or coordinator, each
 
 
 def live_ranks(run_id: str) -> dict[int, int]:
@@ -68,6 +73,26 @@ def live_ranks(run_id: str) -> dict[int, int]:
                     found[rank] = pid
         except (OSError, ValueError):
             continue
+    return found
+
+
+def processes_with_run_id(run_id: str) -> list[int]:
+    """Pids of this host's live processes started with TRAINSCOUT_RUN_ID=run_id (the launcher's descendants)."""
+    needle = f"TRAINSCOUT_RUN_ID={run_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if needle not in fh.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                if fh.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                    continue  # dead already, waiting for its parent
+        except (OSError, IndexError):
+            continue
+        found.append(int(entry))
     return found
 
 
@@ -111,8 +136,15 @@ class Supervisor:
         self._interrupted = 0
         self.interrupted_by = 0  # the first signal that asked this supervisor to stop the job
         self._muted = False  # the launcher's output no longer goes to the terminal (the job is stopped on purpose)
+        self._forwarded_at = 0.0  # monotonic time the first interrupt reached the launcher
+        self._interrupt_seen = False  # the launcher printed that it took it
+        self._interrupt_repeated = False
         self._lost: set[str] = set()
         self.started = time.time()
+        self.address = ""  # the coordinator's, as the agent connects to it
+        self.restarts = RestartPolicy(limit=opts.tool_restarts)
+        self._restart_due: dict[str, float] = {}  # component -> monotonic time to start it again
+        self._tool_started: dict[str, float] = {}  # component -> monotonic time it was last started
 
     # ---- start ----------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
@@ -121,8 +153,12 @@ class Supervisor:
         env["TRAINSCOUT_SECRET"] = self.secret_hex
         return env
 
-    def _start_coordinator(self) -> str:
-        bind = "tcp://0.0.0.0:0" if self.launch.kind == launchers.SRUN else "tcp://127.0.0.1:0"  # agents on all nodes
+    def _start_coordinator(self, bind: str = "") -> str:
+        """Start the coordinator and return its address ("" if a restart on `bind` did not come up)."""
+        restart = bool(bind)
+        bind = bind or (
+            "tcp://0.0.0.0:0" if self.launch.kind == launchers.SRUN else "tcp://127.0.0.1:0"
+        )  # srun: agents on all nodes
         if self.opts.coordinator_addr:
             host, _, port = self.opts.coordinator_addr.rpartition(":")
             bind = f"tcp://{host or '0.0.0.0'}:{port}"
@@ -149,14 +185,22 @@ class Supervisor:
         if os.path.exists(addr_file):
             os.unlink(addr_file)
         self.coordinator = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
+        self._tool_started["coordinator"] = time.monotonic()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (self._interrupted and not restart):
             if os.path.exists(addr_file):
                 with open(addr_file) as fh:
                     return fh.read().strip()
             if self.coordinator.poll() is not None:
+                if restart:
+                    return ""
                 raise SystemExit(f"trainscout: the coordinator failed to start (exit {self.coordinator.returncode})")
             time.sleep(0.05)
+        if self._interrupted and not restart:
+            return ""  # Ctrl-C during start-up: run() stops what was started
+        if restart:
+            self._stop(self.coordinator, 5)
+            return ""
         raise SystemExit("trainscout: the coordinator did not start within 30 s")
 
     def _start_agent(self, address: str) -> None:
@@ -187,6 +231,7 @@ class Supervisor:
             except ValueError as exc:
                 raise SystemExit(f"trainscout: {exc}") from None
         self.agent = subprocess.Popen(cmd, env=self._env(), start_new_session=True)
+        self._tool_started["agent"] = time.monotonic()
 
     def _launcher_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -202,6 +247,7 @@ class Supervisor:
         return env
 
     def _pump(self, stream, out) -> None:
+        exits = LiveExitReporter(self.secret, f"supervisor-{os.getpid()}-exits", self.opts.node_id or "")
         for line in iter(stream.readline, ""):
             self._launcher_text.append(line)
             if len(self._launcher_text) > 20000:
@@ -211,6 +257,13 @@ class Supervisor:
             if not self.opts.quiet_launcher and not self._stopping_on_purpose():
                 out.write(line)
                 out.flush()
+            if self._forwarded_at and "signal" in line.lower():
+                self._interrupt_seen = True  # torchrun: "Received 2 death signal", DeepSpeed: "... SIGINT"
+            if "exitcode" in line:  # a worker's exit status, as the launcher reports it
+                exits.update(self.address, "".join(self._launcher_text[-50:]))
+        if exits.sent:
+            time.sleep(0.3)  # let the last report leave before the socket closes
+        exits.close()
 
     def _stopping_on_purpose(self) -> bool:
         """Once the coordinator stops the job (--abort-on), the ranks' and launcher's teardown tracebacks are
@@ -225,16 +278,35 @@ class Supervisor:
 
     # ---- run ------------------------------------------------------------------------------
     def run(self) -> int:
+        # The handlers come first: a Ctrl-C at any moment of start-up stops what was started so far.
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _stopped_in_start_up(self) -> int:
+        self.events.write("interrupted_in_start_up")
+        self.console.warn("interrupted while starting: stopping what was started")
+        self._shutdown_tools(None)
+        return 128 + signal.SIGINT
+
+    def _run(self) -> int:
         if self.opts.serve_coordinator:
-            address = self._start_coordinator()
+            self.address = self._start_coordinator()
         else:
             host, _, port = (self.opts.coordinator_addr or "").rpartition(":")
-            address = f"tcp://{host}:{port}"
+            self.address = f"tcp://{host}:{port}"
+        if self._interrupted:
+            return self._stopped_in_start_up()
+        address = self.address
         self.events.write("start", run_id=self.run_id, command=self.opts.command, coordinator=address)
         self._start_agent(address)
         self.console.info(f"run {self.run_id}: monitoring {' '.join(self.opts.command)}")
         self.console.info(f"findings and report: {self.run_dir}")
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if self._interrupted:
+            return self._stopped_in_start_up()
         try:
             self.launcher = subprocess.Popen(
                 self.opts.command,
@@ -248,14 +320,15 @@ class Supervisor:
         except OSError as exc:
             self._shutdown_tools(None)
             raise SystemExit(f"trainscout: cannot start {self.opts.command[0]!r}: {exc}") from None
+        if self._interrupted:  # the Ctrl-C came while it was being started: it gets it now
+            self._interrupted -= 1
+            self._on_signal(signal.SIGINT, None)
         pump = threading.Thread(target=self._pump, args=(self.launcher.stdout, sys.stdout), daemon=True)
         pump.start()
         code = self._wait_launcher()
         pump.join(timeout=5)
-        self._report_launcher(address, code)
+        self._report_launcher(self.address, code)
         self._shutdown_tools(code)
-        for s, h in previous.items():
-            signal.signal(s, h)
         return code
 
     def _on_signal(self, signum, frame) -> None:
@@ -267,8 +340,24 @@ class Supervisor:
         if self._interrupted >= 3:
             sig = signal.SIGKILL
         self.events.write("signal", signal=signum, forwarded=int(sig))
+        self._forwarded_at = self._forwarded_at or time.monotonic()
         try:
             os.killpg(self.launcher.pid, sig)
+        except OSError:
+            pass
+
+    def _repeat_lost_interrupt(self, after_s: float = 5.0) -> None:
+        """A launcher interrupted while still starting can lose the signal (Python start-up swallows a
+        KeyboardInterrupt here and there) and go on to start the ranks: unless it said it took the signal,
+        it gets it once more."""
+        if not self._forwarded_at or self._interrupt_seen or self._interrupt_repeated:
+            return
+        if time.monotonic() - self._forwarded_at < after_s or self.launcher is None or self.launcher.poll() is not None:
+            return
+        self._interrupt_repeated = True
+        self.events.write("signal_repeated", signal=int(signal.SIGINT))
+        try:
+            os.killpg(self.launcher.pid, signal.SIGINT)
         except OSError:
             pass
 
@@ -285,8 +374,9 @@ class Supervisor:
 
         waiter = threading.Thread(target=wait, daemon=True, name="launcher-wait")
         waiter.start()
-        while not done.wait(1.0):
-            self._watch_tools()
+        while not done.wait(self._watch_period()):
+            self._watch_tools(restart=not self._interrupted)
+            self._repeat_lost_interrupt()
         code = launcher.wait()
         # the launcher is gone; anything it left behind in its process group goes too
         try:
@@ -295,9 +385,27 @@ class Supervisor:
             pass
         return code
 
-    def _watch_tools(self) -> None:
+    def _watch_period(self) -> float:
+        """Once a second; sooner when a restart falls due before that."""
+        if not self._restart_due:
+            return 1.0
+        return max(0.05, min(1.0, min(self._restart_due.values()) - time.monotonic()))
+
+    def _watch_tools(self, restart: bool = False) -> None:
         for name, proc in (("coordinator", self.coordinator), ("agent", self.agent)):
-            if proc is not None and proc.poll() is not None and name not in self._lost:
+            if proc is None or proc.poll() is None or name in self._lost or name in self._restart_due:
+                continue
+            ran_s = time.monotonic() - self._tool_started.get(name, time.monotonic())
+            delay = self.restarts.died(name, proc.returncode, ran_s, time.time()) if restart else None
+            if delay is not None:
+                self._restart_due[name] = time.monotonic() + delay
+                n = self.restarts.restarts.get(name, 0) + 1
+                self.console.warn(
+                    f"the {name} exited (code {proc.returncode}) at {time.strftime('%H:%M:%S')}: "
+                    f"restarting it in {delay:.1f} s (restart {n} of {self.restarts.limit})"
+                )
+                self.events.write("tool_died", component=name, code=proc.returncode, restart_in_s=delay)
+            else:
                 self._lost.add(name)
                 note = (
                     f"monitoring was lost: the {name} exited (code {proc.returncode}) at "
@@ -306,6 +414,39 @@ class Supervisor:
                 self.notes.append(note)
                 self.console.warn(note)
                 self.events.write("monitoring_lost", component=name, code=proc.returncode)
+        if restart:
+            for name, due in list(self._restart_due.items()):
+                if time.monotonic() >= due:
+                    del self._restart_due[name]
+                    self._restart(name)
+
+    def _restart(self, name: str) -> None:
+        """Start a dead tool again. The coordinator rebinds its address, so the agent's connection comes back
+        by itself; if that address is taken meanwhile, it takes a new one and the agent is restarted on it."""
+        if name == "coordinator":
+            moved = False
+            address = self._start_coordinator(bind=self.address)
+            if not address:
+                address = self._start_coordinator(bind="tcp://127.0.0.1:0")
+                if address:
+                    self.console.warn(f"the coordinator's address {self.address} was taken: it moved to {address}")
+                    self.events.write("coordinator_moved", old=self.address, new=address)
+                if address and self.agent is not None:
+                    self._stop(self.agent, 5)  # connects to the old address: it must be told the new one
+                    moved = True
+            if not address:
+                self.restarts.failed_restart(name)
+                self._watch_tools(restart=True)  # counts as another death: the next try waits longer
+                return
+            self.address = address
+            if moved:
+                self._start_agent(self.address)  # the one stopped above, on the new address
+                self._restart_due.pop("agent", None)
+        else:
+            self._start_agent(self.address)
+        n = self.restarts.restarted(name, time.time())
+        self.console.info(f"the {name} is running again (restart {n} of {self.restarts.limit})")
+        self.events.write("tool_restarted", component=name, restart=n, pid=getattr(self, name).pid)
 
     def _report_launcher(self, address: str, code: int) -> None:
         exits = worker_exits("".join(self._launcher_text))
@@ -326,6 +467,7 @@ class Supervisor:
             proc.wait()
 
     def _shutdown_tools(self, code: int | None) -> None:
+        self._restart_due.clear()  # the end is no time to bring a tool back
         self._watch_tools()
         self.console.info("job ended: collecting the last reports of the agent and coordinator...")
         self._stop(self.agent, 5)
@@ -346,6 +488,14 @@ class Supervisor:
                 self.events.write("killed_leftover_rank", rank=rank, pid=pid)
             except OSError:
                 continue
+        # and those that had no channel yet (the launcher started them in sessions of their own just before
+        # it was stopped): the launcher's environment marks them as this run's
+        for pid in processes_with_run_id(self.run_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.events.write("killed_leftover_process", pid=pid)
+            except OSError:
+                continue
 
     def _write_summary(self, code: int | None) -> None:
         path = os.path.join(self.run_dir, "findings.jsonl")
@@ -361,6 +511,7 @@ class Supervisor:
         topology = _topology_line(self.run_dir)
         if topology:
             notes.insert(0, topology)
+        notes.extend(self.restarts.gap_lines())
         notes.extend(monitoring_gap_lines(os.path.join(self.run_dir, "events.jsonl")))
         notes.extend(attempt_lines_of(os.path.join(self.run_dir, "events.jsonl")))
         write_summary(

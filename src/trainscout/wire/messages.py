@@ -182,6 +182,7 @@ class LauncherReport(msgspec.Struct, tag=True):
     node_id: str
     exit_code: int
     worker_exits: list[tuple[int, int, int]]  # (global rank, exitcode as torchrun prints it, pid)
+    final: bool = True  # False: workers' exits reported while the launcher still runs
 
 
 class Goodbye(msgspec.Struct, tag=True):

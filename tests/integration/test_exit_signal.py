@@ -1,0 +1,26 @@
+"""A rank killed by SIGSEGV is named with its signal every time, not as "vanished, unknown status".
+
+The rank leaves no exit record of its own; only torchrun, its parent, learns the signal. The supervisor
+passes torchrun's report on as soon as it is printed and the crash finding waits for it: repeated runs,
+because the race it closes was lost only sometimes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import of_kind, run_demo
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 3])
+def test_segfaulted_rank_is_named_with_sigsegv(tmp_path, attempt):
+    result = run_demo(tmp_path, f"segv{attempt}", fault="crash", rank=1, step=15, steps=60, params=("how=segv",))
+    crashes = of_kind(result.findings, "crash")
+    assert len(crashes) == 1, result.describe()
+    (crash,) = crashes
+    assert crash["culprit_ranks"] == [1], result.describe()
+    assert crash["evidence"]["signal"] == "SIGSEGV", result.describe()
+    assert "SIGSEGV" in crash["summary"] and "unknown status" not in crash["summary"], result.describe()
+    assert result.returncode == 0, result.describe()  # the demo's verdict: the injected fault was named

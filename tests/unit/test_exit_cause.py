@@ -1,0 +1,40 @@
+"""A rank that vanished without an exit record (SIGSEGV, SIGKILL) is named with the signal its launcher saw.
+
+The launcher's report trails the death by a moment; the crash finding waits for it (bounded) instead of
+saying "unknown status", and a report sent while the launcher still runs counts as much as its final one.
+"""
+
+from __future__ import annotations
+
+from test_detectors import WORLD, _exit, obs, pg
+
+from trainscout.detectors.exits import ExitDetector
+
+
+def _segv_then_collateral():
+    ranks = {
+        r: obs(r, [pg(45)], exit=_exit("exception", 1, msg="Connection closed by peer"), seen_at=100.3) for r in WORLD
+    }
+    ranks[2] = obs(2, [pg(45)], exit=_exit("vanished"), seen_at=100.0)
+    return ranks
+
+
+def test_the_finding_waits_for_the_launchers_code_of_a_vanished_rank():
+    det = ExitDetector(settle_s=1.0, launcher_code_wait_s=3.0)
+    ranks = _segv_then_collateral()
+    assert det.update(101.5, ranks, {}, launcher_done=False) == []  # every rank is gone, but no code yet
+    (f,) = det.update(101.6, ranks, {2: -11}, launcher_done=False)  # a report sent while the launcher runs
+    assert (f.kind, f.culprit_ranks, f.evidence["signal"]) == ("crash", [2], "SIGSEGV")
+    assert "SIGSEGV" in f.summary and "unknown status" not in f.summary
+
+
+def test_the_wait_is_bounded():
+    det = ExitDetector(settle_s=1.0, launcher_code_wait_s=3.0)
+    (f,) = det.update(103.1, _segv_then_collateral(), {}, launcher_done=False)
+    assert (f.kind, f.culprit_ranks, f.evidence["signal"]) == ("crash", [2], None)
+
+
+def test_a_finished_launcher_without_a_code_is_not_waited_for():
+    det = ExitDetector(settle_s=1.0, launcher_code_wait_s=3.0)
+    (f,) = det.update(101.5, _segv_then_collateral(), {}, launcher_done=True)
+    assert f.culprit_ranks == [2]
