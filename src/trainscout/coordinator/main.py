@@ -26,6 +26,7 @@ from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.hpz import HpzRaceDetector, is_hpz_record
 from trainscout import config
 from trainscout.coordinator import confirmation
+from trainscout.coordinator.memberships import Memberships
 from trainscout.detectors.nonfinite import NonFiniteDetector
 from trainscout.detectors.numerics import NumericDetector
 from trainscout.detectors.state import ReplicaStateDetector, verified_window
@@ -128,7 +129,9 @@ class Coordinator:
         self.rank_gpu: dict[int, str] = {}  # rank -> "host:gpu index" of the GPU its process runs on (NVML)
         self._devices_new = False
         self.topology = TopologyTracker()
-        self._topology_key = ""  # the groups last judged, once their line is shown (see _track_topology)
+        self.memberships = Memberships()  # every group's members, sent once by each agent
+        self._topology_key = -1  # memberships.version last judged, once its line is shown (see _track_topology)
+        self._topology_tried: tuple[int, bool] = (-1, False)
         self.topology_file = os.path.join(run_dir, "topology.json")
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
@@ -169,6 +172,9 @@ class Coordinator:
             node["agent"] = True  # the supervisor's one-off launcher report is not an agent
         if isinstance(msg, NodeDigest):
             node["host"] = msg.host
+            self.memberships.absorb(msg)
+            if self.memberships.missing(msg) and self.memberships.should_ask(node["name"], now):
+                self.endpoint.send(identity, Command(kind="send_groups", request_id=next(self.request_ids)))
             self._take_devices(msg, now)
             for st in msg.ranks:
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
@@ -285,7 +291,7 @@ class Coordinator:
             self._start_fetch(req, now)
         for suspect in self.hang.update(now, seen):
             self._start_stacks(suspect, now)
-        members = {pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members}
+        members = self.memberships.members
         live = {r for r, o in seen.items() if o.state.alive}
         replicas = sorted(r for r in live if self.ranks[r].state.replica_group is not None)
         for f in (
@@ -308,8 +314,16 @@ class Coordinator:
 
     def _track_topology(self) -> None:
         """Which groups exist and which ranks are replicas: topology.json, an event, a console line."""
-        # Only what the topology reads (not the records each digest carries), and nothing to redo while it
-        # stands and its line is shown: groups and roles change at start-up, rarely later.
+        # Nothing to redo while the groups stand and their line is shown: groups and roles change at start-up,
+        # rarely later (memberships.version says when; comparing them every pass cost O(world x group size)).
+        key = self.memberships.version
+        if key == self._topology_key:
+            return
+        # before the line is shown it waits for every rank's first step: redo it then, or on a change
+        stepped = not self.topology.shown and all(o.state.step >= 1 for o in self.ranks.values())
+        if (key, stepped) == self._topology_tried:
+            return
+        self._topology_tried = (key, stepped)
         groups = {
             r: [
                 {"name": pg.name, "desc": pg.desc, "members": pg.members, "role": pg.role, "framework": pg.framework}
@@ -317,9 +331,6 @@ class Coordinator:
             ]
             for r, o in self.ranks.items()
         }
-        key = repr(sorted(groups.items()))
-        if key == self._topology_key:
-            return
         steps = {r: o.state.step for r, o in self.ranks.items()}
         changed, line = self.topology.update(groups, steps)
         if self.topology.shown:
