@@ -20,7 +20,9 @@ from trainscout.markers import NATIVE_HASH
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
-    from trainscout.wire.messages import CollectiveRecord
+    from trainscout.wire.messages import CollectiveRecord, PgState
+
+ANCHOR_EVERY = 16  # as trainscout.wire.messages.ANCHOR_EVERY (the agent keeps rolling hashes at these seqs)
 
 
 @dataclass
@@ -44,16 +46,24 @@ class DesyncDetector:
     def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
         findings: list[Finding] = []
         fetches: list[FetchRequest] = []
-        for name, _members, known, records in _histories(ranks):
+        for name, states in _groups(ranks):
             if name in self._done or name in self._pending:
                 continue
             low = self._agreed.get(name, 0) + 1
+            records = {r: list(pg.recent) for r, pg in states.items()}
             # Direct check: the newest records every member has (chained or not) must have equal hashes.
-            finding = first_deviation(name, _desc(ranks, name), records, low, 1 << 62, complete_only=True)
-            if finding is not None:
-                self._done.add(name)
-                findings.append(finding)
+            if any(pg.recent and pg.recent[-1].seq >= low for pg in states.values()):
+                finding = first_deviation(name, _desc(states), records, low, 1 << 62, complete_only=True)
+                if finding is not None:
+                    self._done.add(name)
+                    findings.append(finding)
+                    continue
+            agreed = _agreed_fast(states)
+            if agreed is not None:  # every member's rolling hash at the highest seq they all chained: equal
+                if agreed >= low:
+                    self._agreed[name] = agreed
                 continue
+            known = {r: _history(pg) for r, pg in states.items()}
             comparable = {r: h for r, h in known.items() if h is not None}
             if len(comparable) < 2:
                 continue
@@ -66,7 +76,7 @@ class DesyncDetector:
                 self._agreed[name] = max(self._agreed.get(name, 0), top)
                 continue
             covered = all(recs and recs[0].seq <= low for recs in records.values())
-            finding = first_deviation(name, _desc(ranks, name), records, low, top) if covered else None
+            finding = first_deviation(name, _desc(states), records, low, top) if covered else None
             if finding is not None:
                 self._done.add(name)
                 findings.append(finding)
@@ -195,41 +205,68 @@ def _difference(odd_rec: CollectiveRecord, usual_rec: CollectiveRecord) -> str:
     return "shape" if a != b else "signature"
 
 
-def _histories(ranks: dict[int, RankObs]):
-    """(pg, members, {rank: {seq: rolling hash} or None if its chain is broken}, {rank: recent records})."""
+def _groups(ranks: dict[int, RankObs]):
+    """(pg, {member: its PgState}) for every group whose reporting members all issued on it (at least two)."""
     groups: dict[str, list[int]] = {}
     for obs in ranks.values():
         for state in obs.state.pgs:
             if state.members and state.name not in groups:
                 groups[state.name] = state.members
     for name, members in groups.items():
-        known: dict[int, dict[int, int] | None] = {}
-        records: dict[int, list[CollectiveRecord]] = {}
+        states: dict[int, PgState] = {}
+        reporting = 0
         for r in members:
             o = ranks.get(r)
-            pg = o.pg(name) if o is not None else None
-            if pg is None or pg.seq == 0:
+            if o is None:
                 continue
-            records[r] = list(pg.recent)
-            if not pg.complete or pg.chained_seq == 0:
-                known[r] = None
-                continue
-            hist = dict(pg.anchors)
-            hist.update({rec.seq: rec.rolling_hash for rec in pg.recent if rec.rolling_hash})
-            hist[pg.chained_seq] = pg.rolling_hash
-            known[r] = hist
-        if len(known) >= 2 and len(known) == len([m for m in members if m in ranks]):
-            yield name, members, known, records
+            reporting += 1
+            pg = o.pg(name)
+            if pg is not None and pg.seq != 0:
+                states[r] = pg
+        if len(states) >= 2 and len(states) == reporting:
+            yield name, states
 
 
-def _recent(o: RankObs, name: str) -> list[CollectiveRecord]:
-    pg = o.pg(name)
-    return list(pg.recent) if pg is not None else []
+def _history(pg: PgState) -> dict[int, int] | None:
+    """{seq: rolling hash} this member can show (anchors, chained recent records, its newest), None if its chain
+    is broken."""
+    if not pg.complete or pg.chained_seq == 0:
+        return None
+    hist = dict(pg.anchors)
+    hist.update({rec.seq: rec.rolling_hash for rec in pg.recent if rec.rolling_hash})
+    hist[pg.chained_seq] = pg.rolling_hash
+    return hist
 
 
-def _desc(ranks: dict[int, RankObs], name: str) -> str:
-    for o in ranks.values():
-        pg = o.pg(name)
-        if pg is not None and pg.desc:
-            return pg.desc
-    return ""
+def _agreed_fast(states: dict[int, PgState]) -> int | None:
+    """The highest seq every member chained, when every member shows the same rolling hash there; None when
+    that cannot be told without their whole histories (a broken chain, a hash not at hand, a disagreement).
+
+    The member that chained least holds nothing above its own chained seq, so that seq is the highest one all
+    share whenever every member can show it: what the general comparison would find, without building each
+    member's history (the per-pass cost at 100k ranks).
+    """
+    top = min(pg.chained_seq for pg in states.values())
+    if top == 0:
+        return None
+    value = None
+    for pg in states.values():
+        if not pg.complete:
+            return None
+        if pg.chained_seq == top:
+            h = pg.rolling_hash
+        else:
+            h = next((rec.rolling_hash for rec in pg.recent if rec.seq == top and rec.rolling_hash), 0)
+            if not h and top % ANCHOR_EVERY == 0:
+                h = next((a_hash for a_seq, a_hash in pg.anchors if a_seq == top), 0)
+            if not h:
+                return None
+        if value is None:
+            value = h
+        elif h != value:
+            return None
+    return top
+
+
+def _desc(states: dict[int, PgState]) -> str:
+    return next((pg.desc for pg in states.values() if pg.desc), "")
