@@ -231,12 +231,19 @@ def simulate(args: argparse.Namespace) -> int:
     member_lists: dict[str, list[int]] = {}  # one list per group, shared by its local members
     for n in nodes:
         for r in range(n * RANKS_PER_NODE, min(world, (n + 1) * RANKS_PER_NODE)):
-            gs = [(-1, "0", member_lists.setdefault("0", list(range(world))))] if stages[0].kind != "world" else []
+            gs = []
+            if stages[0].kind != "world":
+                if "0" not in member_lists:
+                    member_lists["0"] = list(range(world))
+                gs.append((-1, "0", member_lists["0"]))
             for i, st in enumerate(stages):
                 g = int(st.group_of[r])
                 name = group_name(st, names, g)
-                gs.append((i, name, member_lists.setdefault(name, list(st.members[g]))))
+                if name not in member_lists:
+                    member_lists[name] = list(st.members[g])
+                gs.append((i, name, member_lists[name]))
             rank_groups[r] = gs
+    packed: dict[str, list[tuple[int, int, int]]] = {}
     sent_groups: set[int] = set()  # nodes whose memberships went out (membership sent once)
     rec_cache: dict[tuple[int, int], CollectiveRecord] = {}
     last_step: dict[int, int] = {}
@@ -271,28 +278,35 @@ def simulate(args: argparse.Namespace) -> int:
             rec_cache[key] = rec
         return rec
 
+    hist_cache: dict[tuple[int, int], tuple[list, list, int]] = {}
+
+    def history(i: int, kind: str, seq: int, done: int) -> tuple[list, list, int]:
+        """(anchors, recent records, rolling hash) of a group at `seq`: equal on every member, so built once."""
+        got = hist_cache.get((i, seq))
+        if got is None:
+            if i < 0:
+                got = ([], [], rolling(kind, seq))
+            else:
+                first = max(ANCHOR_EVERY, (seq // ANCHOR_EVERY - 7) * ANCHOR_EVERY)
+                anchors = [(a, rolling(kind, a)) for a in range(first, seq + 1, ANCHOR_EVERY)]
+                got = (anchors, [record(i, q, done) for q in range(max(1, seq - 3), seq + 1)], rolling(kind, seq))
+            hist_cache[(i, seq)] = got
+        return got
+
     def rank_state(r: int, now: float, world_members: bool) -> RankState:
         done, seqs, quiet = position(r, now)
         pgs = []
         for i, name, members in rank_groups[r]:
             seq = 1 if i < 0 else seqs[i]
             kind = "world" if i < 0 else stages[i].kind
-            anchors = (
-                [
-                    (a, rolling(kind, a))
-                    for a in range(max(ANCHOR_EVERY, (seq // ANCHOR_EVERY - 7) * ANCHOR_EVERY), seq + 1, ANCHOR_EVERY)
-                ]
-                if i >= 0
-                else []
-            )
-            recent = [record(i, q, done) for q in range(max(1, seq - 3), seq + 1)] if i >= 0 else []
+            anchors, recent, rolling_hash = history(i, kind, seq, done)
             pgs.append(
                 PgState(
                     name=name,
                     desc="default_pg" if i < 0 else stages[i].kind,
                     members=members if world_members else [],
                     seq=seq,
-                    rolling_hash=rolling(kind, seq),
+                    rolling_hash=rolling_hash,
                     anchors=anchors,
                     recent=recent,
                     seq_age_s=quiet,
@@ -371,7 +385,10 @@ def simulate(args: argparse.Namespace) -> int:
             groups = []
             if not args.legacy_members and n not in sent_groups:  # as the agent does: each membership once
                 named = {name: members for r in mine for _, name, members in rank_groups[r]}
-                groups = [GroupInfo(name, pack_members(members)) for name, members in named.items()]
+                groups = [
+                    GroupInfo(name, packed.get(name) or packed.setdefault(name, pack_members(members)))
+                    for name, members in named.items()
+                ]
             digest = NodeDigest(node_id=f"node-{n:05d}", host=f"host-{n:05d}", number=k + 1, ranks=ranks, groups=groups)
             frames = codec.encode(digest)
             try:
@@ -393,6 +410,7 @@ def simulate(args: argparse.Namespace) -> int:
                             answer(sock, decoder.decode(payload))
         if len(rec_cache) > 100000:
             rec_cache.clear()
+            hist_cache.clear()
         k += 1
     stats = {"digests": digests, "bytes": enc_bytes, "nodes": len(nodes), "lag_max_s": round(lag_max, 3), "rounds": k}
     Path(args.stats).write_text(json.dumps(stats))
@@ -411,16 +429,17 @@ def serve_coordinator(args: argparse.Namespace) -> int:
     endpoint = CoordinatorEndpoint("tcp://127.0.0.1:0", bytes.fromhex(os.environ["TRAINSCOUT_SECRET"]))
     run_dir = Path(args.run_dir)
     console = ConsoleSink(open(run_dir / "console.log", "w", buffering=1), rich=False)
-    coord = Coordinator(endpoint, str(run_dir), console)
+    # an agent is lost after 3 intervals of silence (3 s at the default interval of 1 s)
+    coord = Coordinator(endpoint, str(run_dir), console, agent_silence_s=3.0 * max(1.0, args.interval))
     passes: list[list[float]] = []  # (monotonic end, seconds, ranks known)
     handle_s = [0.0, 0]
     detect, handle = coord.detect, coord.handle
 
-    profile = None
+    profile = handle_profile = None
     if args.profile:
         import cProfile
 
-        profile = cProfile.Profile()
+        profile, handle_profile = cProfile.Profile(), cProfile.Profile()
 
     def timed_detect(now: float) -> None:
         t = time.perf_counter()
@@ -433,7 +452,11 @@ def serve_coordinator(args: argparse.Namespace) -> int:
 
     def timed_handle(identity, msg, now) -> None:
         t = time.process_time()
+        if handle_profile is not None:
+            handle_profile.enable()
         handle(identity, msg, now)
+        if handle_profile is not None:
+            handle_profile.disable()
         handle_s[0] += time.process_time() - t
         handle_s[1] += 1
 
@@ -450,6 +473,8 @@ def serve_coordinator(args: argparse.Namespace) -> int:
     finally:
         if profile is not None:
             profile.dump_stats(str(run_dir / "detect.prof"))
+        if handle_profile is not None:
+            handle_profile.dump_stats(str(run_dir / "handle.prof"))
         (run_dir / "passes.json").write_text(
             json.dumps({"passes": passes, "handle_cpu_s": handle_s[0], "messages": handle_s[1]})
         )
@@ -467,7 +492,10 @@ def run_once(args: argparse.Namespace) -> dict:
     env = dict(os.environ, TRAINSCOUT_SECRET=secrets.token_hex(32))
     me = [sys.executable, __file__]
     coord = subprocess.Popen(
-        me + ["--serve-coordinator", "--run-dir", str(run_dir)] + (["--profile"] if args.profile else []), env=env
+        me
+        + ["--serve-coordinator", "--run-dir", str(run_dir), "--interval", str(args.interval)]
+        + (["--profile"] if args.profile else []),
+        env=env,
     )
     addr_file = run_dir / "coordinator.addr"
     while not addr_file.exists():

@@ -185,6 +185,17 @@ def test_desync_with_two_members_is_inconclusive():
     assert f.status == "inconclusive" and f.culprit_ranks == []
 
 
+def test_a_pass_checks_groups_up_to_its_budget_and_the_next_resumes_there():
+    names = ["a", "b", "c"]
+    ranks = {r: obs(r, [pg(45, _stream(r == 1 and n == "c"), name=n) for n in names]) for r in WORLD}
+    budgeted = DesyncDetector(visits_per_pass=4)  # one group of 4 members a pass
+    assert [budgeted.update(ranks)[0] for _ in range(2)] == [[], []]
+    (f,), _ = budgeted.update(ranks)
+    assert (f.pg, f.culprit_ranks, f.collective_seq) == ("c", [1], 45)
+    (f,), _ = DesyncDetector().update(ranks)  # the default budget covers small jobs whole every pass
+    assert (f.pg, f.culprit_ranks) == ("c", [1])
+
+
 def test_agreeing_streams_give_nothing():
     ranks = {r: obs(r, [pg(45, _stream(False))]) for r in WORLD}
     assert DesyncDetector().update(ranks) == ([], [])

@@ -18,6 +18,8 @@ import statistics
 import sys
 import time
 from collections import deque
+
+import msgspec
 from dataclasses import dataclass, field
 
 from trainscout.detectors.desync import DesyncDetector, FetchRequest
@@ -132,6 +134,7 @@ class Coordinator:
         self.memberships = Memberships()  # every group's members, sent once by each agent
         self._topology_key = -1  # memberships.version last judged, once its line is shown (see _track_topology)
         self._topology_tried: tuple[int, bool] = (-1, False)
+        self._topology_next = 0.0
         self.topology_file = os.path.join(run_dir, "topology.json")
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
@@ -139,6 +142,7 @@ class Coordinator:
         self.ranks: dict[int, RankObs] = {}
         self.replay_request_file = os.path.join(run_dir, REPLAY_REQUEST)
         self._step_history: deque = deque(maxlen=64)  # (monotonic s, highest step of any rank)
+        self._top_step = 0
         self._step_walls: deque = deque(maxlen=64)  # recent steps' wall seconds, any rank (the rate at start-up)
         self.rank_node: dict[int, bytes] = {}
         self.nodes: dict[bytes, dict] = {}
@@ -203,7 +207,8 @@ class Coordinator:
                     )
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
-            top = max(o.state.step for o in self.ranks.values()) if self.ranks else 0
+            # the furthest step, kept as digests arrive (a walk over every rank per digest was O(world^2) a second)
+            top = self._top_step = max([self._top_step, *(st.step for st in msg.ranks)])
             if not self._step_history or self._step_history[-1][1] != top:
                 self._step_history.append((now, top))  # when the furthest rank's step was known to move
         elif isinstance(msg, StackReport):
@@ -271,19 +276,16 @@ class Coordinator:
             self.events.write("probe_error", rank=rank, error=err)
 
     # ---- detection ------------------------------------------------------------------------
-    def _node_lost(self, rank: int) -> bool:
-        """Whether the agent reporting this rank went silent (a rank of no known agent: no)."""
-        node = self.rank_node.get(rank)
-        return node is not None and bool(self.nodes.get(node, {}).get("lost"))
-
     def detect(self, now: float) -> None:
         if self.aborting:
             self._flush_due(now)
             return
         self._watch_agents(now)  # first: a silent agent's ranks must not be judged in this very pass
         self._replay_on_command(now)
-        # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
-        seen = {r: o for r, o in self.ranks.items() if not self._node_lost(r)}
+        # A lost agent's last report goes stale: judging it would blame ranks for our own blindness (a rank of
+        # no known agent is judged).
+        lost = {ident for ident, n in self.nodes.items() if n.get("lost")}
+        seen = {r: o for r, o in self.ranks.items() if self.rank_node.get(r) not in lost} if lost else self.ranks
         findings, fetches = self.desync.update(seen)
         for f in findings:
             self.emit(f, now)
@@ -317,13 +319,14 @@ class Coordinator:
         # Nothing to redo while the groups stand and their line is shown: groups and roles change at start-up,
         # rarely later (memberships.version says when; comparing them every pass cost O(world x group size)).
         key = self.memberships.version
-        if key == self._topology_key:
+        if key == self._topology_key or time.monotonic() < self._topology_next:
             return
         # before the line is shown it waits for every rank's first step: redo it then, or on a change
         stepped = not self.topology.shown and all(o.state.step >= 1 for o in self.ranks.values())
         if (key, stepped) == self._topology_tried:
             return
         self._topology_tried = (key, stepped)
+        started = time.monotonic()
         groups = {
             r: [
                 {"name": pg.name, "desc": pg.desc, "members": pg.members, "role": pg.role, "framework": pg.framework}
@@ -336,12 +339,14 @@ class Coordinator:
         if self.topology.shown:
             self._topology_key = key
         if changed is not None:
-            with open(self.topology_file + ".tmp", "w") as fh:
-                json.dump(changed, fh)
+            with open(self.topology_file + ".tmp", "wb") as fh:
+                fh.write(msgspec.json.encode(changed))  # json.dump took seconds for 10k ranks' groups
             os.replace(self.topology_file + ".tmp", self.topology_file)
             self.events.write("topology", groups=changed["groups"], replicas=changed["replicas"])
         if line is not None:
             self.console.info(line)
+        # while ranks keep appearing (start-up of a large job), rebuild at most every 10x what a build costs
+        self._topology_next = time.monotonic() + 10 * (time.monotonic() - started)
 
     def trust(self) -> dict:
         """What a checkpoint saved now can claim (see probe/checkpoints.py)."""
@@ -740,8 +745,10 @@ class Coordinator:
                     # this process did not run (stopped, or starved of CPU): nothing was judged meanwhile
                     self.events.write("coordinator_stalled", seconds=round(now - last_detect, 1))
                 self.detect(now)
-                last_detect = now
-                next_detect = now + detect_every_s
+                # from the pass's end: a pass that takes long (a large job) must leave time for the digests,
+                # or passes run back to back with one digest handled between them
+                last_detect = time.monotonic()
+                next_detect = last_detect + detect_every_s
         self.finish()
 
     def finish(self) -> None:

@@ -36,56 +36,91 @@ class FetchRequest:
 MAX_FETCHES = 3  # pulls per group that may come back without the deviation before the group is given up
 
 
+VISITS_PER_PASS = 100_000  # members' group states one pass examines; beyond it the next pass resumes there
+REFRESH_GROUPS_EVERY = 10  # passes between re-reading which groups exist (they change at start-up, rarely after)
+
+
 class DesyncDetector:
-    def __init__(self) -> None:
+    """Groups are checked in turn, resuming where the previous pass stopped once `visits_per_pass` members'
+    states were examined: a job of 100k ranks (400k group memberships) is covered every four passes
+    instead of one pass taking seconds; below that every group is checked every pass."""
+
+    def __init__(self, visits_per_pass: int = VISITS_PER_PASS) -> None:
         self._agreed: dict[str, int] = {}  # pg -> highest seq known to agree
         self._done: set[str] = set()  # groups already reported (hashes differ forever after)
         self._pending: dict[str, FetchRequest] = {}
         self._fetches: dict[str, int] = {}  # pg -> pulls made
+        self.visits_per_pass = visits_per_pass
+        self._groups: dict[str, list[int]] = {}
+        self._order: list[str] = []
+        self._cursor = 0
+        self._passes = 0
+        self._ranks_seen = 0
 
     def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
         findings: list[Finding] = []
         fetches: list[FetchRequest] = []
-        for name, states in _groups(ranks):
+        if self._passes % REFRESH_GROUPS_EVERY == 0 or len(ranks) != self._ranks_seen:
+            self._groups = _group_members(ranks)
+            self._order = list(self._groups)
+            self._ranks_seen = len(ranks)
+        self._passes += 1
+        visits = 0
+        n = len(self._order)
+        for i in range(n):
+            if visits >= self.visits_per_pass:
+                self._cursor = (self._cursor + i) % n
+                break
+            name = self._order[(self._cursor + i) % n]
             if name in self._done or name in self._pending:
                 continue
-            low = self._agreed.get(name, 0) + 1
-            records = {r: list(pg.recent) for r, pg in states.items()}
-            # Direct check: the newest records every member has (chained or not) must have equal hashes.
-            if any(pg.recent and pg.recent[-1].seq >= low for pg in states.values()):
-                finding = first_deviation(name, _desc(states), records, low, 1 << 62, complete_only=True)
-                if finding is not None:
-                    self._done.add(name)
-                    findings.append(finding)
-                    continue
-            agreed = _agreed_fast(states)
-            if agreed is not None:  # every member's rolling hash at the highest seq they all chained: equal
-                if agreed >= low:
-                    self._agreed[name] = agreed
+            members = self._groups[name]
+            visits += len(members)
+            states = _member_states(ranks, name, members)
+            if states is None:
                 continue
-            known = {r: _history(pg) for r, pg in states.items()}
-            comparable = {r: h for r, h in known.items() if h is not None}
-            if len(comparable) < 2:
-                continue
-            common = set.intersection(*(set(k) for k in comparable.values()))
-            if not common:
-                continue
-            top = max(common)
-            verdict = vote_exact({r: comparable[r][top] for r in comparable})
-            if verdict.status == "agree":
-                self._agreed[name] = max(self._agreed.get(name, 0), top)
-                continue
-            covered = all(recs and recs[0].seq <= low for recs in records.values())
-            finding = first_deviation(name, _desc(states), records, low, top) if covered else None
+            self._check(name, states, findings, fetches)
+        return findings, fetches
+
+    def _check(
+        self, name: str, states: dict[int, PgState], findings: list[Finding], fetches: list[FetchRequest]
+    ) -> None:
+        low = self._agreed.get(name, 0) + 1
+        records = {r: list(pg.recent) for r, pg in states.items()}
+        # Direct check: the newest records every member has (chained or not) must have equal hashes.
+        if any(pg.recent and pg.recent[-1].seq >= low for pg in states.values()):
+            finding = first_deviation(name, _desc(states), records, low, 1 << 62, complete_only=True)
             if finding is not None:
                 self._done.add(name)
                 findings.append(finding)
-            else:
-                req = FetchRequest(pg=name, seq_from=low, seq_to=top, ranks=sorted(known))
-                self._pending[name] = req
-                self._fetches[name] = self._fetches.get(name, 0) + 1
-                fetches.append(req)
-        return findings, fetches
+                return
+        agreed = _agreed_fast(states)
+        if agreed is not None:  # every member's rolling hash at the highest seq they all chained: equal
+            if agreed >= low:
+                self._agreed[name] = agreed
+            return
+        known = {r: _history(pg) for r, pg in states.items()}
+        comparable = {r: h for r, h in known.items() if h is not None}
+        if len(comparable) < 2:
+            return
+        common = set.intersection(*(set(k) for k in comparable.values()))
+        if not common:
+            return
+        top = max(common)
+        verdict = vote_exact({r: comparable[r][top] for r in comparable})
+        if verdict.status == "agree":
+            self._agreed[name] = max(self._agreed.get(name, 0), top)
+            return
+        covered = all(recs and recs[0].seq <= low for recs in records.values())
+        finding = first_deviation(name, _desc(states), records, low, top) if covered else None
+        if finding is not None:
+            self._done.add(name)
+            findings.append(finding)
+        else:
+            req = FetchRequest(pg=name, seq_from=low, seq_to=top, ranks=sorted(known))
+            self._pending[name] = req
+            self._fetches[name] = self._fetches.get(name, 0) + 1
+            fetches.append(req)
 
     def resolve(self, request: FetchRequest, records: dict[int, list[CollectiveRecord]]) -> Finding | None:
         """Called with the records the agents returned for a FetchRequest. A pull that came back without the
@@ -205,26 +240,28 @@ def _difference(odd_rec: CollectiveRecord, usual_rec: CollectiveRecord) -> str:
     return "shape" if a != b else "signature"
 
 
-def _groups(ranks: dict[int, RankObs]):
-    """(pg, {member: its PgState}) for every group whose reporting members all issued on it (at least two)."""
+def _group_members(ranks: dict[int, RankObs]) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for obs in ranks.values():
         for state in obs.state.pgs:
             if state.members and state.name not in groups:
                 groups[state.name] = state.members
-    for name, members in groups.items():
-        states: dict[int, PgState] = {}
-        reporting = 0
-        for r in members:
-            o = ranks.get(r)
-            if o is None:
-                continue
-            reporting += 1
-            pg = o.pg(name)
-            if pg is not None and pg.seq != 0:
-                states[r] = pg
-        if len(states) >= 2 and len(states) == reporting:
-            yield name, states
+    return groups
+
+
+def _member_states(ranks: dict[int, RankObs], name: str, members: list[int]) -> dict[int, PgState] | None:
+    """{member: its PgState} when every reporting member issued on the group (at least two), else None."""
+    states: dict[int, PgState] = {}
+    reporting = 0
+    for r in members:
+        o = ranks.get(r)
+        if o is None:
+            continue
+        reporting += 1
+        pg = o.pg(name)
+        if pg is not None and pg.seq != 0:
+            states[r] = pg
+    return states if len(states) >= 2 and len(states) == reporting else None
 
 
 def _history(pg: PgState) -> dict[int, int] | None:
