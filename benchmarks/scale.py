@@ -431,7 +431,7 @@ def serve_coordinator(args: argparse.Namespace) -> int:
     console = ConsoleSink(open(run_dir / "console.log", "w", buffering=1), rich=False)
     # an agent is lost after 3 intervals of silence (3 s at the default interval of 1 s)
     coord = Coordinator(endpoint, str(run_dir), console, agent_silence_s=3.0 * max(1.0, args.interval))
-    passes: list[list[float]] = []  # (monotonic end, seconds, ranks known)
+    passes: list[list[float]] = []  # (wall-clock end, seconds, ranks known, CPU seconds)
     handle_s = [0.0, 0]
     detect, handle = coord.detect, coord.handle
 
@@ -442,13 +442,13 @@ def serve_coordinator(args: argparse.Namespace) -> int:
         profile, handle_profile = cProfile.Profile(), cProfile.Profile()
 
     def timed_detect(now: float) -> None:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         if profile is not None:
             profile.enable()
         detect(now)
         if profile is not None:
             profile.disable()
-        passes.append([time.time(), time.perf_counter() - t, len(coord.ranks)])
+        passes.append([time.time(), time.perf_counter() - t, len(coord.ranks), time.process_time() - c])
 
     def timed_handle(identity, msg, now) -> None:
         t = time.process_time()
@@ -553,7 +553,9 @@ def run_once(args: argparse.Namespace) -> dict:
     coord.wait(timeout=120)
     sims = [json.loads((run_dir / f"sim{p}.json").read_text()) for p in range(len(procs))]
     timing = json.loads((run_dir / "passes.json").read_text())
-    steady = [p[1] for p in timing["passes"] if p[0] >= t0 + args.warmup_s and p[2] == world]
+    steady_passes = [p for p in timing["passes"] if p[0] >= t0 + args.warmup_s and p[2] == world]
+    steady = [p[1] for p in steady_passes]
+    steady_cpu = [p[3] for p in steady_passes]
     findings = (
         [json.loads(line) for line in (run_dir / "findings.jsonl").read_text().splitlines()]
         if (run_dir / "findings.jsonl").exists()
@@ -568,6 +570,8 @@ def run_once(args: argparse.Namespace) -> dict:
         "passes": len(steady),
         "pass_p50_s": _common.percentile(steady, 50) if steady else None,
         "pass_p99_s": _common.percentile(steady, 99) if steady else None,
+        "pass_cpu_p50_s": _common.percentile(steady_cpu, 50) if steady else None,
+        "pass_cpu_p99_s": _common.percentile(steady_cpu, 99) if steady else None,
         "coordinator_rss_gib": rss_max / 2**30,
         "coordinator_cpu": (cpu_end[1] - cpu_start[1]) / (cpu_end[0] - cpu_start[0]) if cpu_start else None,
         "handle_cpu_ms_per_digest": 1e3 * timing["handle_cpu_s"] / max(1, timing["messages"]),
@@ -577,7 +581,11 @@ def run_once(args: argparse.Namespace) -> dict:
         "digests_per_node_s": sum(s["digests"] for s in sims) / nodes / args.seconds,
         "sim_lag_max_s": max(s["lag_max_s"] for s in sims),
         "culprit": culprit,
-        "findings": [(f["kind"], f["culprit_ranks"], round(f["confirmed"] - onset_wall, 2)) for f in findings],
+        "findings": [
+            (f["kind"], f["culprit_ranks"][:10], len(f["culprit_ranks"]), round(f["confirmed"] - onset_wall, 2))
+            for f in findings
+        ],
+        "load1_after": _common.load1(),
         "hang_named_after_s": round(hang["confirmed"] - onset_wall, 2) if hang else None,
         "hang_exact": bool(hang and hang["culprit_ranks"] == [culprit]),
         "run_dir": str(run_dir),
@@ -598,7 +606,6 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--legacy-members", action="store_true", help="every digest carries every group's members")
     p.add_argument("--profile", action="store_true", help="profile the detection passes (detect.prof)")
-    p.add_argument("--results", action="store_true", help="append the numbers to benchmarks/RESULTS.md")
     # internal modes
     p.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--serve-coordinator", action="store_true", help=argparse.SUPPRESS)
@@ -616,9 +623,8 @@ def main() -> int:
     if args.serve_coordinator:
         return serve_coordinator(args)
     out = run_once(args)
-    print(json.dumps(out, indent=1))
-    if args.results:
-        Path(out["run_dir"], "result.json").write_text(json.dumps(out))
+    print(json.dumps(out))
+    Path(out["run_dir"], "result.json").write_text(json.dumps(out))
     return 0
 
 
