@@ -161,6 +161,7 @@ class Coordinator:
         self._next_trust = 0.0
         self._last_trust = ""
         self.stop = False
+        self._caught_up: float | None = None  # when the run loop last found no frame waiting (None: not running)
 
     # ---- messages -------------------------------------------------------------------------
     def handle(self, identity: bytes, msg, now: float) -> None:
@@ -709,12 +710,15 @@ class Coordinator:
             self.endpoint.send(ident, Command(kind="abort", request_id=next(self.request_ids)))
 
     def _watch_agents(self, now: float) -> None:
+        # Silence is known up to when this process last had nothing queued: behind a backlog (long passes of a
+        # large job, a starved core) every agent would look silent, though its digests wait in our queue.
+        upto = now if self._caught_up is None else min(now, self._caught_up)
         for node in self.nodes.values():
             if (
                 node.get("agent")
                 and not node["gone"]
                 and not node["lost"]
-                and now - node["last"] > self.agent_silence_s
+                and upto - node["last"] > self.agent_silence_s
             ):
                 node["lost"] = True
                 self.console.warn(
@@ -736,6 +740,8 @@ class Coordinator:
             # detection (~200 wake-ups a second, measured)
             got = self.endpoint.recv(max(1, math.ceil((next_detect - time.monotonic()) * 1000)))
             now = time.monotonic()
+            if got is None or not self.endpoint.backlog():
+                self._caught_up = now  # every frame sent before now is handled (see _watch_agents)
             if got is not None:
                 self.handle(got[0], got[1], now)
                 if isinstance(got[1], NodeDigest):
@@ -763,6 +769,7 @@ class Coordinator:
             ):
                 break
         self.launcher_done = True
+        self._caught_up = None  # drained: silence is judged up to now
         now = time.monotonic()
         self.detect(now)
         for p in list(self.pending_stacks.values()) + []:
