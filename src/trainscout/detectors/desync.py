@@ -86,6 +86,15 @@ class DesyncDetector:
         self, name: str, states: dict[int, PgState], findings: list[Finding], fetches: list[FetchRequest]
     ) -> None:
         low = self._agreed.get(name, 0) + 1
+        # Every member's rolling hash at the highest seq they all chained is equal: every collective up to there
+        # agrees, unless native ones were described differently (their descriptions are not chained), which
+        # only the records can show. (A record every member holds beyond that seq is one still waiting for an
+        # earlier one on some member: the rolling hash covers it once the gap fills or is given up.)
+        agreed = _agreed_fast(states)
+        if agreed is not None and not _described_native(states, low):
+            if agreed >= low:
+                self._agreed[name] = agreed
+            return
         records = {r: list(pg.recent) for r, pg in states.items()}
         # Direct check: the newest records every member has (chained or not) must have equal hashes.
         if any(pg.recent and pg.recent[-1].seq >= low for pg in states.values()):
@@ -94,8 +103,7 @@ class DesyncDetector:
                 self._done.add(name)
                 findings.append(finding)
                 return
-        agreed = _agreed_fast(states)
-        if agreed is not None:  # every member's rolling hash at the highest seq they all chained: equal
+        if agreed is not None:
             if agreed >= low:
                 self._agreed[name] = agreed
             return
@@ -303,6 +311,11 @@ def _agreed_fast(states: dict[int, PgState]) -> int | None:
         elif h != value:
             return None
     return top
+
+
+def _described_native(states: dict[int, PgState], low: int) -> bool:
+    """Whether some member holds, from `low` on, a native collective its Flight Recorder has described."""
+    return any(rec.native and rec.entry_hash and rec.seq >= low for pg in states.values() for rec in pg.recent)
 
 
 def _desc(states: dict[int, PgState]) -> str:
