@@ -448,7 +448,9 @@ def serve_coordinator(args: argparse.Namespace) -> int:
         detect(now)
         if profile is not None:
             profile.disable()
-        passes.append([time.time(), time.perf_counter() - t, len(coord.ranks), time.process_time() - c])
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        quiet = min(((o.progress_age(now), r) for r, o in coord.ranks.items()), default=(0.0, -1))
+        passes.append([time.time(), wall, len(coord.ranks), cpu, *quiet])
 
     def timed_handle(identity, msg, now) -> None:
         t = time.process_time()

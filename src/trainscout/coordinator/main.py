@@ -732,6 +732,7 @@ class Coordinator:
         `after_digest_s`): what a digest brings is acted on at once, whatever the phase of the two clocks."""
         next_detect = 0.0
         last_detect = 0.0
+        last_pass_s = 0.0
         parent = os.getppid()
         while not self.stop:
             if os.getppid() != parent:
@@ -745,12 +746,15 @@ class Coordinator:
             if got is not None:
                 self.handle(got[0], got[1], now)
                 if isinstance(got[1], NodeDigest):
-                    next_detect = min(next_detect, max(now + 0.02, last_detect + after_digest_s))
+                    # a large job's digests arrive without pause: its passes keep to at most a third of the time
+                    soonest = last_detect + max(after_digest_s, 2 * last_pass_s)
+                    next_detect = min(next_detect, max(now + 0.02, soonest))
             if now >= next_detect:
                 if last_detect and now - last_detect > STALL_S:
                     # this process did not run (stopped, or starved of CPU): nothing was judged meanwhile
                     self.events.write("coordinator_stalled", seconds=round(now - last_detect, 1))
                 self.detect(now)
+                last_pass_s = time.monotonic() - now
                 # from the pass's end: a pass that takes long (a large job) must leave time for the digests,
                 # or passes run back to back with one digest handled between them
                 last_detect = time.monotonic()
