@@ -204,6 +204,7 @@ def simulate(args: argparse.Namespace) -> int:
     world = layout.world
     codec = Codec(bytes.fromhex(os.environ["TRAINSCOUT_SECRET"]))
     ctx = zmq.Context(io_threads=2)
+    ctx.set(zmq.MAX_SOCKETS, 2 * (args.node_to - args.node_from) + 64)  # zmq's default is 1023 sockets
     nodes = list(range(args.node_from, args.node_to))
     socks = []
     for n in nodes:
