@@ -431,7 +431,13 @@ def serve_coordinator(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     console = ConsoleSink(open(run_dir / "console.log", "w", buffering=1), rich=False)
     # an agent is lost after 3 intervals of silence (3 s at the default interval of 1 s)
-    coord = Coordinator(endpoint, str(run_dir), console, agent_silence_s=3.0 * max(1.0, args.interval))
+    coord = Coordinator(
+        endpoint,
+        str(run_dir),
+        console,
+        hang_timeout_s=args.hang_timeout,
+        agent_silence_s=3.0 * max(1.0, args.interval),
+    )
     passes: list[list[float]] = []  # (wall-clock end, seconds, ranks known, CPU seconds)
     handle_s = [0.0, 0]
     detect, handle = coord.detect, coord.handle
@@ -497,6 +503,7 @@ def run_once(args: argparse.Namespace) -> dict:
     coord = subprocess.Popen(
         me
         + ["--serve-coordinator", "--run-dir", str(run_dir), "--interval", str(args.interval)]
+        + ["--hang-timeout", str(args.hang_timeout)]
         + (["--profile"] if args.profile else []),
         env=env,
     )
@@ -603,6 +610,9 @@ def main() -> int:
     p.add_argument("--step-s", type=float, default=1.0, help="seconds per training step")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between a node's digests (agent default)")
     p.add_argument("--fault", choices=["none", "hang"], default="none")
+    # a hang is judged on each rank's last digest: with digests rarer than the timeout, some show a rank
+    # before the job froze, so the timeout must exceed the interval (true at the defaults, 5 s and 1 s)
+    p.add_argument("--hang-timeout", type=float, default=5.0, help="the coordinator's hang timeout (default 5 s)")
     p.add_argument("--onset-s", type=float, default=15.0, help="seconds into the job the fault starts")
     p.add_argument("--warmup-s", type=float, default=8.0, help="passes and CPU before this are not counted")
     p.add_argument("--procs", type=int, default=2, help="simulator processes")
