@@ -48,6 +48,12 @@ QUESTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "throughput": {
         "fingerprint": ("benchmarks.throughput.fingerprint", "CPU fingerprint GB/s a core against numpy and a copy"),
     },
+    "scale": {
+        "coordinator": (
+            "benchmarks.scale",
+            "the real coordinator fed by simulated node agents, 1k-100k ranks: pass time, RSS, digest bytes, hang",
+        ),
+    },
     "gpu": {
         "overhead": ("benchmarks.gpu.overhead", "step time on H200s: baseline, trainscout, the peer, per workload"),
         "fingerprint": ("benchmarks.gpu.fingerprint", "GPU fingerprint TB/s beside torch.sum and the peer"),

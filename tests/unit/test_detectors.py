@@ -136,6 +136,32 @@ def test_rank_waiting_on_another_group_is_a_process_group_desync():
     assert s.finding.evidence["culprit_group"] == {"pg": "1", "seq": 1}
 
 
+def test_hang_names_the_root_not_the_ranks_that_wait_for_it_in_another_group():
+    """TP 2 x DP 3: rank 1 stops; its TP peer 0 waits in their TP all-reduce and so never reaches the DP
+    all-reduce where ranks 2 and 4 wait for it. Rank 0 is behind in its DP group only because it waits in TP."""
+    tp = {0: "t0", 1: "t0", 2: "t1", 3: "t1", 4: "t2", 5: "t2"}
+    dp = {0: "d0", 2: "d0", 4: "d0", 1: "d1", 3: "d1", 5: "d1"}
+    tp_seq = {0: 9, 1: 8, 2: 12, 3: 12, 4: 12, 5: 12}  # 4 TP all-reduces a step; 0 entered #9, 1 never did
+    dp_seq = {0: 2, 1: 2, 2: 3, 3: 3, 4: 3, 5: 3}  # 1 a step; 2..5 entered #3
+    tp_members = {"t0": [0, 1], "t1": [2, 3], "t2": [4, 5]}
+    dp_members = {"d0": [0, 2, 4], "d1": [1, 3, 5]}
+    ranks = {
+        r: obs(
+            r,
+            [
+                pg(tp_seq[r], name=tp[r], members=tp_members[tp[r]]),
+                pg(dp_seq[r], name=dp[r], members=dp_members[dp[r]]),
+            ],
+            progress_age=6.0,
+        )
+        for r in range(6)
+    }
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, ranks)
+    f = s.finding
+    assert (f.kind, f.culprit_ranks, f.pg, f.collective_seq, f.status) == ("hang", [1], "d1", 3, "attributed")
+    assert s.stack_ranks == [1]
+
+
 # ---- desync -------------------------------------------------------------------------------------------
 
 
@@ -157,6 +183,17 @@ def test_desync_with_two_members_is_inconclusive():
     ranks = {r: obs(r, [pg(45, _stream(r == 1), members=[0, 1])]) for r in (0, 1)}
     (f,), _ = DesyncDetector().update(ranks)
     assert f.status == "inconclusive" and f.culprit_ranks == []
+
+
+def test_a_pass_checks_groups_up_to_its_budget_and_the_next_resumes_there():
+    names = ["a", "b", "c"]
+    ranks = {r: obs(r, [pg(45, _stream(r == 1 and n == "c"), name=n) for n in names]) for r in WORLD}
+    budgeted = DesyncDetector(visits_per_pass=4)  # one group of 4 members a pass
+    assert [budgeted.update(ranks)[0] for _ in range(2)] == [[], []]
+    (f,), _ = budgeted.update(ranks)
+    assert (f.pg, f.culprit_ranks, f.collective_seq) == ("c", [1], 45)
+    (f,), _ = DesyncDetector().update(ranks)  # the default budget covers small jobs whole every pass
+    assert (f.pg, f.culprit_ranks) == ("c", [1])
 
 
 def test_agreeing_streams_give_nothing():

@@ -23,7 +23,8 @@ from trainscout.agent.rank_view import RankView
 from trainscout.process_priority import lower_priority
 from trainscout.channel.layout import link_probe_request_path, list_channels, replay_request_path, trust_path
 from trainscout.wire.endpoints import AgentEndpoint
-from trainscout.wire.messages import Command, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
+from trainscout.wire.membership import pack_members
+from trainscout.wire.messages import Command, GroupInfo, Goodbye, Hello, NodeDigest, RecordsReport, StackReport
 
 _log = log.get("agent")
 
@@ -64,6 +65,7 @@ class Agent:
         self._send_lock = threading.Lock()
         self.devices: DeviceSampler | None = None  # DeviceSampler (NVML), made at the first digest with ranks
         self._all_exited_since: float | None = None
+        self._groups_sent: dict[str, list[int]] = {}  # group -> the members the coordinator has (sent once)
 
     def send(self, msg) -> bool:
         with self._send_lock:  # zmq sockets are not thread-safe; stack threads send too
@@ -110,7 +112,34 @@ class Agent:
             except Exception as exc:
                 devices = []  # the sampler fails open; one bad read must not cost the digest
                 _log.warning("GPU readings failed this digest: %r", exc)
-        return NodeDigest(node_id=self.node_id, host=self.host, number=self.number, ranks=ranks, devices=devices)
+        return NodeDigest(
+            node_id=self.node_id,
+            host=self.host,
+            number=self.number,
+            ranks=ranks,
+            devices=devices,
+            groups=self._new_groups(),
+        )
+
+    def _new_groups(self) -> list[GroupInfo]:
+        """Memberships not sent yet (new groups, or changed ones): a group's members travel once, not in every
+        digest (the world group alone is O(world) per rank)."""
+        out = []
+        for view in self.views.values():
+            for track in view.pgs.values():
+                members, sent = track.members, self._groups_sent.get(track.name)
+                if not members or members is sent:
+                    continue
+                if sent != members:
+                    out.append(GroupInfo(track.name, pack_members(members)))
+                self._groups_sent[track.name] = members
+        return out
+
+    def send_digest(self) -> None:
+        digest = self.digest()
+        if not self.send(digest):
+            for g in digest.groups:  # dropped: send those memberships again with the next digest
+                self._groups_sent.pop(g.name, None)
 
     def handle(self, cmd: Command) -> None:
         if cmd.kind == "dump_stacks":
@@ -143,6 +172,8 @@ class Agent:
             _write_atomic(replay_request_path(self.run_id), cmd.payload)
         elif cmd.kind == "linkprobe":
             _write_atomic(link_probe_request_path(self.run_id), cmd.payload)
+        elif cmd.kind == "send_groups":  # the coordinator lacks a membership (a lost frame, or it restarted)
+            self._groups_sent.clear()
         elif cmd.kind == "abort":
             threading.Thread(target=self._abort, daemon=True).start()
 
@@ -197,7 +228,7 @@ class Agent:
                 except (OSError, ValueError):
                     pass
             if now >= next_digest:
-                self.send(self.digest())
+                self.send_digest()
                 next_digest = now + self.interval_s
             cmd = self.endpoint.recv_command(int(self.tick_s * 1000))
             if cmd is not None:
@@ -228,7 +259,7 @@ class Agent:
             if all(v.exit is not None for v in self.views.values()):
                 break
             time.sleep(0.1)
-        self.send(self.digest())
+        self.send_digest()
         self.send(Goodbye(node_id=self.node_id, reason="agent stopping"))
         time.sleep(0.2)  # let the last frames leave before the socket closes
         self.endpoint.close()

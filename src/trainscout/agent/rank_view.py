@@ -448,7 +448,7 @@ class RankView:
             PgState(
                 name=t.name,
                 desc=t.desc,
-                members=t.members,
+                members=[],  # sent once per agent in NodeDigest.groups (see Agent._new_groups)
                 seq=t.seq,
                 rolling_hash=t.rolling,
                 anchors=list(t.anchors),

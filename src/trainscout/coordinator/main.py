@@ -28,6 +28,7 @@ from trainscout.coordinator.attempts import AttemptTracker
 from trainscout.detectors.devices import DeviceWatch
 from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe
 from trainscout.detectors.exits import ExitDetector
+from trainscout.coordinator.memberships import Memberships
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.registry import Registry, default_detectors
 from trainscout.detectors.replay import ReplayDetector
@@ -128,7 +129,10 @@ class Coordinator:
         self._timeouts = (hang_timeout_s, stall_timeout_s, gpu_stragglers)
         self._fresh_detectors()
         self.topology = TopologyTracker()
-        self._topology_key = ""  # the groups last judged, once their line is shown (see _track_topology)
+        self.memberships = Memberships()  # every group's members, sent once by each agent
+        self._topology_key = -1  # memberships.version last judged, once its line is shown (see _track_topology)
+        self._topology_tried: tuple[int, bool] = (-1, False)
+        self._topology_next = 0.0
         self.topology_file = os.path.join(run_dir, "topology.json")
         self.abort_on = abort_on or set()
         self.stack_timeout_s = stack_timeout_s
@@ -136,6 +140,7 @@ class Coordinator:
         self.ranks: dict[int, RankObs] = {}
         self.replay_request_file = os.path.join(run_dir, REPLAY_REQUEST)
         self._step_history: deque = deque(maxlen=64)  # (monotonic s, highest step of any rank)
+        self._top_step = 0
         self._step_walls: deque = deque(maxlen=64)  # recent steps' wall seconds, any rank (the rate at start-up)
         self.rank_node: dict[int, bytes] = {}
         self.nodes: dict[bytes, dict] = {}
@@ -154,6 +159,7 @@ class Coordinator:
         self._next_trust = 0.0
         self._last_trust = ""
         self.stop = False
+        self._caught_up: float | None = None  # when the run loop last found no frame waiting (None: not running)
         # optional outputs: Prometheus metrics (--metrics-port) and findings posted to webhooks (--notify)
         self.metrics = (
             run_metrics.start(metrics_port, metrics_addr, console.info, console.warn, self.events, metrics_max_ranks)
@@ -196,6 +202,7 @@ class Coordinator:
         self._fresh_detectors()
         self.ranks.clear()
         self._step_history.clear()
+        self._top_step = 0
         self._step_walls.clear()
         self.numerically_named.clear()
         self.pending_stacks.clear()
@@ -218,6 +225,9 @@ class Coordinator:
             node["agent"] = True  # the supervisor's one-off launcher report is not an agent
         if isinstance(msg, NodeDigest):
             node["host"] = msg.host
+            self.memberships.absorb(msg)
+            if self.memberships.missing(msg) and self.memberships.should_ask(node["name"], now):
+                self.endpoint.send(identity, Command(kind="send_groups", request_id=next(self.request_ids)))
             current = []
             for st in msg.ranks:
                 if self.attempts.is_stale(st.attempt):
@@ -238,7 +248,8 @@ class Coordinator:
                     self.evidence_log.write(st.rank, st.steps, st.numerics, st.numeric_layers, len(self.ranks))
                 for err in st.probe_errors:
                     self._probe_error(st.rank, err)
-            top = max(o.state.step for o in self.ranks.values()) if self.ranks else 0
+            # the furthest step, kept as digests arrive (a walk over every rank per digest was O(world^2) a second)
+            top = self._top_step = max([self._top_step, *(st.step for st in msg.ranks)])
             if not self._step_history or self._step_history[-1][1] != top:
                 self._step_history.append((now, top))  # when the furthest rank's step was known to move
         elif isinstance(msg, StackReport):
@@ -284,11 +295,6 @@ class Coordinator:
             self.events.write("probe_error", rank=rank, error=err)
 
     # ---- detection ------------------------------------------------------------------------
-    def _node_lost(self, rank: int) -> bool:
-        """Whether the agent reporting this rank went silent (a rank of no known agent: no)."""
-        node = self.rank_node.get(rank)
-        return node is not None and bool(self.nodes.get(node, {}).get("lost"))
-
     def detect(self, now: float) -> None:
         if self.aborting:
             self._flush_due(now)
@@ -315,8 +321,10 @@ class Coordinator:
             self.metrics.on_pass(self.ranks, view.live, self.nodes)
 
     def _view(self, now: float) -> JobView:
-        # A lost agent's last report goes stale: judging it would blame ranks for our own blindness.
-        seen = {r: o for r, o in self.ranks.items() if not self._node_lost(r)}
+        # A lost agent's last report goes stale: judging it would blame ranks for our own blindness (a rank of
+        # no known agent is judged).
+        lost = {ident for ident, n in self.nodes.items() if n.get("lost")}
+        seen = {r: o for r, o in self.ranks.items() if self.rank_node.get(r) not in lost} if lost else self.ranks
         live = {r for r, o in seen.items() if o.state.alive}
         classes: dict[str, list[int]] = {}
         for r in sorted(live):
@@ -328,7 +336,7 @@ class Coordinator:
             ranks=self.ranks,
             seen=seen,
             live=live,
-            members={pg.name: pg.members for o in self.ranks.values() for pg in o.state.pgs if pg.members},
+            members=self.memberships.members,
             classes=classes,
             launcher_codes=self.launcher_codes,
             launcher_done=self.launcher_done,
@@ -372,8 +380,17 @@ class Coordinator:
 
     def _track_topology(self) -> None:
         """Which groups exist and which ranks are replicas: topology.json, an event, a console line."""
-        # Only what the topology reads (not the records each digest carries), and nothing to redo while it
-        # stands and its line is shown: groups and roles change at start-up, rarely later.
+        # Nothing to redo while the groups stand and their line is shown: groups and roles change at start-up,
+        # rarely later (memberships.version says when; comparing them every pass cost O(world x group size)).
+        key = self.memberships.version
+        if key == self._topology_key or time.monotonic() < self._topology_next:
+            return
+        # before the line is shown it waits for every rank's first step: redo it then, or on a change
+        stepped = not self.topology.shown and all(o.state.step >= 1 for o in self.ranks.values())
+        if (key, stepped) == self._topology_tried:
+            return
+        self._topology_tried = (key, stepped)
+        started = time.monotonic()
         groups = {
             r: [
                 {"name": pg.name, "desc": pg.desc, "members": pg.members, "role": pg.role, "framework": pg.framework}
@@ -381,20 +398,19 @@ class Coordinator:
             ]
             for r, o in self.ranks.items()
         }
-        key = repr(sorted(groups.items()))
-        if key == self._topology_key:
-            return
         steps = {r: o.state.step for r, o in self.ranks.items()}
         changed, line = self.topology.update(groups, steps)
         if self.topology.shown:
             self._topology_key = key
         if changed is not None:
-            with open(self.topology_file + ".tmp", "w") as fh:
-                json.dump(changed, fh)
+            with open(self.topology_file + ".tmp", "wb") as fh:
+                fh.write(msgspec.json.encode(changed))  # json.dump took seconds for 10k ranks' groups
             os.replace(self.topology_file + ".tmp", self.topology_file)
             self.events.write("topology", groups=changed["groups"], replicas=changed["replicas"])
         if line is not None:
             self.console.info(line)
+        # while ranks keep appearing (start-up of a large job), rebuild at most every 10x what a build costs
+        self._topology_next = time.monotonic() + 10 * (time.monotonic() - started)
 
     def trust(self) -> dict:
         """What a checkpoint saved now can claim (see probe/checkpoints.py)."""
@@ -753,12 +769,15 @@ class Coordinator:
             self.endpoint.send(ident, Command(kind="abort", request_id=next(self.request_ids)))
 
     def _watch_agents(self, now: float) -> None:
+        # Silence is known up to when this process last had nothing queued: behind a backlog (long passes of a
+        # large job, a starved core) every agent would look silent, though its digests wait in our queue.
+        upto = now if self._caught_up is None else min(now, self._caught_up)
         for node in self.nodes.values():
             if (
                 node.get("agent")
                 and not node["gone"]
                 and not node["lost"]
-                and now - node["last"] > self.agent_silence_s
+                and upto - node["last"] > self.agent_silence_s
             ):
                 node["lost"] = True
                 self.console.warn(
@@ -772,6 +791,7 @@ class Coordinator:
         `after_digest_s`): what a digest brings is acted on at once, whatever the phase of the two clocks."""
         next_detect = 0.0
         last_detect = 0.0
+        last_pass_s = 0.0
         parent = os.getppid()
         while not self.stop:
             if os.getppid() != parent:
@@ -780,17 +800,24 @@ class Coordinator:
             # detection (~200 wake-ups a second, measured)
             got = self.endpoint.recv(max(1, math.ceil((next_detect - time.monotonic()) * 1000)))
             now = time.monotonic()
+            if got is None or not self.endpoint.backlog():
+                self._caught_up = now  # every frame sent before now is handled (see _watch_agents)
             if got is not None:
                 self.handle(got[0], got[1], now)
                 if isinstance(got[1], NodeDigest):
-                    next_detect = min(next_detect, max(now + 0.02, last_detect + after_digest_s))
+                    # a large job's digests arrive without pause: its passes keep to at most a third of the time
+                    soonest = last_detect + max(after_digest_s, 2 * last_pass_s)
+                    next_detect = min(next_detect, max(now + 0.02, soonest))
             if now >= next_detect:
                 if last_detect and now - last_detect > STALL_S:
                     # this process did not run (stopped, or starved of CPU): nothing was judged meanwhile
                     self.events.write("coordinator_stalled", seconds=round(now - last_detect, 1))
                 self.detect(now)
-                last_detect = now
-                next_detect = now + detect_every_s
+                last_pass_s = time.monotonic() - now
+                # from the pass's end: a pass that takes long (a large job) must leave time for the digests,
+                # or passes run back to back with one digest handled between them
+                last_detect = time.monotonic()
+                next_detect = last_detect + detect_every_s
         self.finish()
 
     def finish(self) -> None:
@@ -805,6 +832,7 @@ class Coordinator:
             ):
                 break
         self.launcher_done = True
+        self._caught_up = None  # drained: silence is judged up to now
         now = time.monotonic()
         self.detect(now)
         for p in list(self.pending_stacks.values()) + []:

@@ -21,7 +21,9 @@ from trainscout.markers import NATIVE_HASH
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
-    from trainscout.wire.messages import CollectiveRecord
+    from trainscout.wire.messages import CollectiveRecord, PgState
+
+ANCHOR_EVERY = 16  # as trainscout.wire.messages.ANCHOR_EVERY (the agent keeps rolling hashes at these seqs)
 
 
 @dataclass
@@ -35,14 +37,28 @@ class FetchRequest:
 MAX_FETCHES = 3  # pulls per group that may come back without the deviation before the group is given up
 
 
+VISITS_PER_PASS = 100_000  # members' group states one pass examines; beyond it the next pass resumes there
+REFRESH_GROUPS_EVERY = 10  # passes between re-reading which groups exist (they change at start-up, rarely after)
+
+
 class DesyncDetector(DetectorBase):
+    """Groups are checked in turn, resuming where the previous pass stopped once `visits_per_pass` members'
+    states were examined: a job of 100k ranks (400k group memberships) is covered every four passes
+    instead of one pass taking seconds; below that every group is checked every pass."""
+
     name = "desync"
 
-    def __init__(self) -> None:
+    def __init__(self, visits_per_pass: int = VISITS_PER_PASS) -> None:
         self._agreed: dict[str, int] = {}  # pg -> highest seq known to agree
         self._done: set[str] = set()  # groups already reported (hashes differ forever after)
         self._pending: dict[str, FetchRequest] = {}
         self._fetches: dict[str, int] = {}  # pg -> pulls made
+        self.visits_per_pass = visits_per_pass
+        self._groups: dict[str, list[int]] = {}
+        self._order: list[str] = []
+        self._cursor = 0
+        self._passes = 0
+        self._ranks_seen = 0
 
     def judge(self, view: JobView) -> Judgement:
         """A deviation the digests' records show is named at once; else the records are pulled from the agents."""
@@ -52,38 +68,75 @@ class DesyncDetector(DetectorBase):
     def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
         findings: list[Finding] = []
         fetches: list[FetchRequest] = []
-        for name, _members, known, records in _histories(ranks):
+        if self._passes % REFRESH_GROUPS_EVERY == 0 or len(ranks) != self._ranks_seen:
+            self._groups = _group_members(ranks)
+            self._order = list(self._groups)
+            self._ranks_seen = len(ranks)
+        self._passes += 1
+        visits = 0
+        n = len(self._order)
+        for i in range(n):
+            if visits >= self.visits_per_pass:
+                self._cursor = (self._cursor + i) % n
+                break
+            name = self._order[(self._cursor + i) % n]
             if name in self._done or name in self._pending:
                 continue
-            low = self._agreed.get(name, 0) + 1
-            # Direct check: the newest records every member has (chained or not) must have equal hashes.
-            finding = first_deviation(name, _desc(ranks, name), records, low, 1 << 62, complete_only=True)
-            if finding is not None:
-                self._done.add(name)
-                findings.append(finding)
+            members = self._groups[name]
+            visits += len(members)
+            states = _member_states(ranks, name, members)
+            if states is None:
                 continue
-            comparable = {r: h for r, h in known.items() if h is not None}
-            if len(comparable) < 2:
-                continue
-            common = set.intersection(*(set(k) for k in comparable.values()))
-            if not common:
-                continue
-            top = max(common)
-            verdict = vote_exact({r: comparable[r][top] for r in comparable})
-            if verdict.status == "agree":
-                self._agreed[name] = max(self._agreed.get(name, 0), top)
-                continue
-            covered = all(recs and recs[0].seq <= low for recs in records.values())
-            finding = first_deviation(name, _desc(ranks, name), records, low, top) if covered else None
-            if finding is not None:
-                self._done.add(name)
-                findings.append(finding)
-            else:
-                req = FetchRequest(pg=name, seq_from=low, seq_to=top, ranks=sorted(known))
-                self._pending[name] = req
-                self._fetches[name] = self._fetches.get(name, 0) + 1
-                fetches.append(req)
+            self._check(name, states, findings, fetches)
         return findings, fetches
+
+    def _check(
+        self, name: str, states: dict[int, PgState], findings: list[Finding], fetches: list[FetchRequest]
+    ) -> None:
+        low = self._agreed.get(name, 0) + 1
+        # Every member's rolling hash at the highest seq they all chained is equal: every collective up to there
+        # agrees, unless native ones were described differently (their descriptions are not chained), which
+        # only the records can show. (A record every member holds beyond that seq is one still waiting for an
+        # earlier one on some member: the rolling hash covers it once the gap fills or is given up.)
+        agreed = _agreed_fast(states)
+        if agreed is not None and not _described_native(states, low):
+            if agreed >= low:
+                self._agreed[name] = agreed
+            return
+        records = {r: list(pg.recent) for r, pg in states.items()}
+        # Direct check: the newest records every member has (chained or not) must have equal hashes.
+        if any(pg.recent and pg.recent[-1].seq >= low for pg in states.values()):
+            finding = first_deviation(name, _desc(states), records, low, 1 << 62, complete_only=True)
+            if finding is not None:
+                self._done.add(name)
+                findings.append(finding)
+                return
+        if agreed is not None:
+            if agreed >= low:
+                self._agreed[name] = agreed
+            return
+        known = {r: _history(pg) for r, pg in states.items()}
+        comparable = {r: h for r, h in known.items() if h is not None}
+        if len(comparable) < 2:
+            return
+        common = set.intersection(*(set(k) for k in comparable.values()))
+        if not common:
+            return
+        top = max(common)
+        verdict = vote_exact({r: comparable[r][top] for r in comparable})
+        if verdict.status == "agree":
+            self._agreed[name] = max(self._agreed.get(name, 0), top)
+            return
+        covered = all(recs and recs[0].seq <= low for recs in records.values())
+        finding = first_deviation(name, _desc(states), records, low, top) if covered else None
+        if finding is not None:
+            self._done.add(name)
+            findings.append(finding)
+        else:
+            req = FetchRequest(pg=name, seq_from=low, seq_to=top, ranks=sorted(known))
+            self._pending[name] = req
+            self._fetches[name] = self._fetches.get(name, 0) + 1
+            fetches.append(req)
 
     def resolve(self, request: FetchRequest, records: dict[int, list[CollectiveRecord]]) -> Finding | None:
         """Called with the records the agents returned for a FetchRequest. A pull that came back without the
@@ -203,41 +256,75 @@ def _difference(odd_rec: CollectiveRecord, usual_rec: CollectiveRecord) -> str:
     return "shape" if a != b else "signature"
 
 
-def _histories(ranks: dict[int, RankObs]):
-    """(pg, members, {rank: {seq: rolling hash} or None if its chain is broken}, {rank: recent records})."""
+def _group_members(ranks: dict[int, RankObs]) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for obs in ranks.values():
         for state in obs.state.pgs:
             if state.members and state.name not in groups:
                 groups[state.name] = state.members
-    for name, members in groups.items():
-        known: dict[int, dict[int, int] | None] = {}
-        records: dict[int, list[CollectiveRecord]] = {}
-        for r in members:
-            o = ranks.get(r)
-            pg = o.pg(name) if o is not None else None
-            if pg is None or pg.seq == 0:
-                continue
-            records[r] = list(pg.recent)
-            if not pg.complete or pg.chained_seq == 0:
-                known[r] = None
-                continue
-            hist = dict(pg.anchors)
-            hist.update({rec.seq: rec.rolling_hash for rec in pg.recent if rec.rolling_hash})
-            hist[pg.chained_seq] = pg.rolling_hash
-            known[r] = hist
-        if len(known) >= 2 and len(known) == len([m for m in members if m in ranks]):
-            yield name, members, known, records
+    return groups
 
 
-def _recent(o: RankObs, name: str) -> list[CollectiveRecord]:
-    pg = o.pg(name)
-    return list(pg.recent) if pg is not None else []
-
-
-def _desc(ranks: dict[int, RankObs], name: str) -> str:
-    for o in ranks.values():
+def _member_states(ranks: dict[int, RankObs], name: str, members: list[int]) -> dict[int, PgState] | None:
+    """{member: its PgState} when every reporting member issued on the group (at least two), else None."""
+    states: dict[int, PgState] = {}
+    reporting = 0
+    for r in members:
+        o = ranks.get(r)
+        if o is None:
+            continue
+        reporting += 1
         pg = o.pg(name)
-        if pg is not None and pg.desc:
-            return pg.desc
-    return ""
+        if pg is not None and pg.seq != 0:
+            states[r] = pg
+    return states if len(states) >= 2 and len(states) == reporting else None
+
+
+def _history(pg: PgState) -> dict[int, int] | None:
+    """{seq: rolling hash} this member can show (anchors, chained recent records, its newest), None if its chain
+    is broken."""
+    if not pg.complete or pg.chained_seq == 0:
+        return None
+    hist = dict(pg.anchors)
+    hist.update({rec.seq: rec.rolling_hash for rec in pg.recent if rec.rolling_hash})
+    hist[pg.chained_seq] = pg.rolling_hash
+    return hist
+
+
+def _agreed_fast(states: dict[int, PgState]) -> int | None:
+    """The highest seq every member chained, when every member shows the same rolling hash there; None when
+    that cannot be told without their whole histories (a broken chain, a hash not at hand, a disagreement).
+
+    The member that chained least holds nothing above its own chained seq, so that seq is the highest one all
+    share whenever every member can show it: what the general comparison would find, without building each
+    member's history (the per-pass cost at 100k ranks).
+    """
+    top = min(pg.chained_seq for pg in states.values())
+    if top == 0:
+        return None
+    value = None
+    for pg in states.values():
+        if not pg.complete:
+            return None
+        if pg.chained_seq == top:
+            h = pg.rolling_hash
+        else:
+            h = next((rec.rolling_hash for rec in pg.recent if rec.seq == top and rec.rolling_hash), 0)
+            if not h and top % ANCHOR_EVERY == 0:
+                h = next((a_hash for a_seq, a_hash in pg.anchors if a_seq == top), 0)
+            if not h:
+                return None
+        if value is None:
+            value = h
+        elif h != value:
+            return None
+    return top
+
+
+def _described_native(states: dict[int, PgState], low: int) -> bool:
+    """Whether some member holds, from `low` on, a native collective its Flight Recorder has described."""
+    return any(rec.native and rec.entry_hash and rec.seq >= low for pg in states.values() for rec in pg.recent)
+
+
+def _desc(states: dict[int, PgState]) -> str:
+    return next((pg.desc for pg in states.values() if pg.desc), "")

@@ -34,6 +34,8 @@ from trainscout.detectors.interface import Confirm, DetectorBase, JobView, Judge
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
     from trainscout.wire.messages import NodeDigest
 
+from trainscout.consensus.leave_one_out import median_without
+
 MAD_TO_SIGMA = 1.4826
 WINDOW = 64  # steps of per-step dispersion the scale is taken from
 MIN_HISTORY = 16  # steps of dispersion needed before a statistic is judged
@@ -81,7 +83,7 @@ class _Stat:
             sigma = MAD_TO_SIGMA * _middle(sorted(self.dispersion))
             sigma = max(sigma, 1e-6 * abs(centre), 1e-12)
             for r, v in values.items():
-                peers = _middle(sorted(x for q, x in values.items() if q != r))
+                peers = median_without(ordered, v)  # the others' median, off the one sorted copy
                 out[r] = (v - peers, (v - peers) / sigma, peers)
         self.dispersion.append(mad)
         return out

@@ -6,7 +6,7 @@ coordinator received the state gives an age "now" without comparing clocks acros
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,11 @@ class RankObs:
     state: RankState
     host: str
     seen_at: float  # coordinator monotonic seconds when the state arrived
+    _pgs: dict[str, PgState] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # by name: detectors look a rank's groups up once per group per pass (a list scan was the hot spot)
+        self._pgs = {pg.name: pg for pg in reversed(self.state.pgs)}  # the first of a repeated name, as before
 
     @property
     def rank(self) -> int:
@@ -40,10 +45,7 @@ class RankObs:
         return self.seen_at - self.state.exit.age_s
 
     def pg(self, name: str) -> PgState | None:
-        for pg in self.state.pgs:
-            if pg.name == name:
-                return pg
-        return None
+        return self._pgs.get(name)
 
 
 def who(obs: RankObs) -> str:

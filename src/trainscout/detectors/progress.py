@@ -60,9 +60,12 @@ class HangDetector(DetectorBase):
         behind: dict[int, list[tuple[str, int]]] = {}  # rank -> [(pg, majority seq it never entered)]
         ahead: dict[int, list[tuple[str, int]]] = {}
         unattributed: list[tuple[str, dict[int, int]]] = []
+        waiting: set[int] = set()  # ranks inside a collective some member of its group has not entered
         for name, _members, seqs in _groups(live):
-            if len(set(seqs.values())) <= 1:
+            lowest = min(seqs.values())
+            if max(seqs.values()) == lowest:
                 continue
+            waiting.update(r for r, s in seqs.items() if s > lowest)
             verdict = vote_exact(seqs)
             if verdict.status != "attributed":
                 unattributed.append((name, seqs))
@@ -79,6 +82,12 @@ class HangDetector(DetectorBase):
                 return [Suspect(self._stall(now, live, quiet))]
             return []
         self._reported_this_quiet = True
+        # A rank behind in one group because it waits in another (a tensor-parallel peer of the culprit never
+        # reaches the data-parallel all-reduce) is not a cause: the causes are the ranks behind that wait in
+        # nothing. If every rank behind also waits somewhere (a cycle, or a rank in the wrong group), all stay.
+        roots = {r: v for r, v in behind.items() if r not in waiting}
+        if roots:
+            behind = roots
         if behind:
             return [Suspect(self._blame(now, live, behind, ahead, quiet), sorted(behind))]
         return [Suspect(self._inconclusive(now, live, unattributed, ahead, quiet), sorted(live))]

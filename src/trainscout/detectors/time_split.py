@@ -36,6 +36,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from trainscout.consensus.leave_one_out import max_without, median_without
 from trainscout.detectors.periodicity import LOOKBACK, regular_period
 from trainscout.findings import STRAGGLER, Finding
 
@@ -207,22 +208,27 @@ class PartWatch:
             return out
         level = _median(self._walls)
         flagged = set()
+        ordered = sorted(windowed.values())  # each rank's peers are all but itself: read off one sorted copy
+        waits: dict[int, float] | None = None
         for r, v in own.items():
-            peers = sorted(x for q, x in windowed.items() if q != r)
-            excess = v - _median(peers)
+            excess = v - median_without(ordered, windowed[r])
             if excess < max(p.abs_s, p.rel * level, p.z * max(sigma, 1e-4)):
                 continue
-            if v - peers[-1] < excess / 2:
+            if v - max_without(ordered, windowed[r]) < excess / 2:
                 continue  # not clear of the rest: two ranks slow together share a cause
-            if p.arrival and _median(self._waits[r]) > _median(_median(self._waits[q]) for q in windowed if q != r):
-                continue  # its peers do not wait for it
+            if p.arrival:
+                if waits is None:
+                    waits = {q: _median(self._waits[q]) for q in windowed}
+                    waits_ordered = sorted(waits.values())
+                if waits[r] > median_without(waits_ordered, waits[r]):
+                    continue  # its peers do not wait for it
             flagged.add(r)
         self.flagged = flagged
         if flagged:
             self.trace.append((step, sorted(flagged), {r: round(v * 1e3, 2) for r, v in windowed.items()}))
         for r in windowed:
             hist = self._flags.setdefault(r, deque(maxlen=p.m))
-            hist.append((step, r in flagged, own[r] - _median(x for q, x in windowed.items() if q != r)))
+            hist.append((step, r in flagged, own[r] - median_without(ordered, windowed[r])))
             f = self._persistent(r, hist, level)
             if f is not None:
                 out.append(f)
@@ -264,10 +270,10 @@ class PartWatch:
         if step <= WARMUP_STEPS or p.intermittent_min > LOOKBACK:
             return []
         out = []
+        ordered = sorted(values.values())
         for r, v in values.items():
-            peers = sorted(x for q, x in values.items() if q != r)
-            excess = v - _median(peers)
-            if v - peers[-1] < excess / 2 or excess < max(p.abs_s, p.rel * wall):
+            excess = v - median_without(ordered, v)
+            if v - max_without(ordered, v) < excess / 2 or excess < max(p.abs_s, p.rel * wall):
                 continue
             big = excess >= max(p.spike_abs_s, p.spike_rel * wall)
             small = self._small_spikes.setdefault(r, deque(maxlen=LOOKBACK))

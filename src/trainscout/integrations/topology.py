@@ -33,16 +33,15 @@ def build(groups_by_rank: Mapping[int, Iterable[Mapping]]) -> dict:
     for rank in sorted(groups_by_rank):
         for g in groups_by_rank[rank]:
             name = str(g["name"])
-            entry = groups.setdefault(
-                name,
-                {
+            entry = groups.get(name)
+            if entry is None:  # each group once: its members are sorted once, not once per member rank
+                entry = groups[name] = {
                     "name": name,
                     "desc": str(g.get("desc") or ""),
                     "members": sorted(int(r) for r in g.get("members") or []),
                     "role": "",
                     "framework": "",
-                },
-            )
+                }
             if not entry["members"] and g.get("members"):
                 entry["members"] = sorted(int(r) for r in g["members"])
             if not entry["role"] and g.get("role"):

@@ -95,6 +95,15 @@ class CoordinatorEndpoint:
                 return None
         return None
 
+    def backlog(self) -> bool:
+        """Whether frames are waiting to be received now (the coordinator is behind its agents)."""
+        if self._closed:
+            return False
+        try:
+            return bool(self._sock.poll(0, zmq.POLLIN))
+        except zmq.ZMQError:
+            return False
+
     def send(self, identity: bytes, cmd: Command) -> bool:
         """Queue a command for one agent without blocking; False if zmq would not take it."""
         if self._closed:

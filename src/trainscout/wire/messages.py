@@ -1,6 +1,8 @@
 """Message types on the agent <-> coordinator link (msgspec structs, msgpack-encoded, tagged union).
 
-Agents send one NodeDigest per interval: O(1) data per local rank, whatever the collective count.
+Agents send one NodeDigest per interval: O(1) data per local rank, whatever the collective count or group
+size. A group's members travel once (`NodeDigest.groups`, when the agent first sees the group or it changes),
+compactly as runs; the coordinator keeps them (coordinator/memberships.py) and fills them back in.
 Detailed collective records stay on the agent; the coordinator pulls them (FetchRecords) only for the
 ranks and sequence ranges a verdict implicates. Ages are measured by the sender on its own monotonic
 clock, so no cross-host clock agreement is assumed.
@@ -31,7 +33,7 @@ class CollectiveRecord(msgspec.Struct, array_like=True):
 class PgState(msgspec.Struct, array_like=True):
     name: str  # torch.distributed group name, identical on every member
     desc: str
-    members: list[int]  # global ranks; empty = unknown
+    members: list[int]  # global ranks; empty: sent once in NodeDigest.groups (the coordinator fills it in)
     seq: int  # highest collective sequence number this rank issued on this group
     rolling_hash: int  # rolling hash at chained_seq
     anchors: list[tuple[int, int]]  # recent (seq, rolling_hash) at seq % ANCHOR_EVERY == 0
@@ -151,12 +153,20 @@ class Hello(msgspec.Struct, tag=True):
     agent_pid: int
 
 
+class GroupInfo(msgspec.Struct, array_like=True):
+    """A process group's members, sent once per agent (and again if they change or the coordinator asks)."""
+
+    name: str
+    runs: list[tuple[int, int, int]]  # (first rank, stride, count): see wire.membership
+
+
 class NodeDigest(msgspec.Struct, tag=True):
     node_id: str
     host: str
     number: int  # increases by one per digest from this agent
     ranks: list[RankState]
     devices: list[DeviceReading] = []  # the node's GPUs (NVML), when the agent can read them
+    groups: list[GroupInfo] = []  # memberships this agent has not sent before (or that changed)
 
 
 class StackReport(msgspec.Struct, tag=True):
@@ -193,7 +203,7 @@ class Goodbye(msgspec.Struct, tag=True):
 class Command(msgspec.Struct, tag=True):
     """Coordinator -> agent."""
 
-    kind: str  # dump_stacks | profile | fetch_records | abort | trust | replay | linkprobe
+    kind: str  # dump_stacks | profile | fetch_records | abort | trust | replay | linkprobe | send_groups
     request_id: int
     ranks: list[int] = []
     pg: str = ""
