@@ -1,6 +1,6 @@
 """report.html from real run-folder files (written by the real sinks): content, escaping, size bounds.
 
-The browser-side check (every chart drawn in a real headless Chromium) is tests/integration/test_report_html.py.
+The browser-side check (every chart drawn in a real headless Chromium) is tests/integration/test_report_browser.py.
 """
 
 from __future__ import annotations
