@@ -25,10 +25,10 @@ import msgspec
 from trainscout import config, log
 from trainscout.coordinator import confirmation
 from trainscout.coordinator.attempts import AttemptTracker
-from trainscout.detectors.devices import DeviceWatch
-from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe
-from trainscout.detectors.exits import ExitDetector
 from trainscout.coordinator.memberships import Memberships
+from trainscout.detectors.devices import DeviceWatch
+from trainscout.detectors.exits import ExitDetector
+from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.registry import Registry, default_detectors
 from trainscout.detectors.replay import ReplayDetector
@@ -278,12 +278,8 @@ class Coordinator:
         except (OSError, ValueError):
             return 0
         for f in earlier:
-            self.emitted.add(f.key())
+            self._remember(f)
             self.findings.append(f)
-            if f.kind in ("sdc", "nonfinite"):
-                for r in f.culprit_ranks:
-                    self.numerically_named.setdefault(r, f.step or 0)
-            self.root_found = self.root_found or f.kind in ROOT_KINDS
         if earlier:
             self.events.write("coordinator_resumed", findings=len(earlier))
         return len(earlier)
@@ -706,12 +702,7 @@ class Coordinator:
                 "consequence", finding_kind=finding.kind, culprits=finding.culprit_ranks, summary=finding.summary
             )
             return
-        self.emitted.add(key)
-        if finding.kind in ("sdc", "nonfinite"):
-            for r in finding.culprit_ranks:
-                self.numerically_named.setdefault(r, finding.step or 0)
-        if finding.kind in ROOT_KINDS:
-            self.root_found = True
+        self._remember(finding)
         wall = time.time()
         finding.first_seen = finding.first_seen or wall
         finding.confirmed = wall
@@ -728,6 +719,16 @@ class Coordinator:
             self.notifier.notify(finding)
         if finding.kind in self.abort_on and not self.aborting:
             self.abort(f"{finding.kind} found")
+
+    def _remember(self, f: Finding) -> None:
+        """What an emitted finding changes for later ones: emitted once, its numerically named culprits (later
+        outliers of theirs are consequences), a root cause found (later exits follow from it)."""
+        self.emitted.add(f.key())
+        if f.kind in ("sdc", "nonfinite"):
+            for r in f.culprit_ranks:
+                self.numerically_named.setdefault(r, f.step or 0)
+        if f.kind in ROOT_KINDS:
+            self.root_found = True
 
     def _is_consequence(self, f: Finding) -> bool:
         """A statistical outlier (loss, gradient norms) that began after its rank was named for corrupted numbers
