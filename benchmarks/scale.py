@@ -198,11 +198,13 @@ def simulate(args: argparse.Namespace) -> int:
         StackReport,
         StepRecord,
     )
+    from trainscout.wire.security import secure_client
 
     layout = Layout.parse(args.layout)
     stages, names = layout.stages()
     world = layout.world
-    codec = Codec(bytes.fromhex(os.environ["TRAINSCOUT_SECRET"]))
+    secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
+    codec = Codec(secret)
     ctx = zmq.Context(io_threads=2)
     ctx.set(zmq.MAX_SOCKETS, 2 * (args.node_to - args.node_from) + 64)  # zmq's default is 1023 sockets
     nodes = list(range(args.node_from, args.node_to))
@@ -212,6 +214,7 @@ def simulate(args: argparse.Namespace) -> int:
         s.setsockopt(zmq.IDENTITY, f"node-{n:05d}".encode())
         s.setsockopt(zmq.SNDHWM, 1000)
         s.setsockopt(zmq.LINGER, 0)
+        secure_client(s, secret)  # a real agent's CURVE handshake and per-message encryption
         s.connect(args.coordinator)
         socks.append(s)
     for n, s in zip(nodes, socks):

@@ -304,8 +304,8 @@ RUN = Run()  # the defaults, for signatures that need one (the declaration above
 INTERNAL: dict[str, str] = {
     "TRAINSCOUT_RUN_ID": "the run's id (names its shared-memory channels), for the ranks' probes",
     "TRAINSCOUT_RUN_DIR": "the run's folder, where ranks write their cost reports",
-    "TRAINSCOUT_SECRET": "hex key signing agent <-> coordinator frames; set it yourself, the same on every node, "
-    "for a multi-node run",
+    "TRAINSCOUT_SECRET": "hex job secret: keys the agent <-> coordinator CURVE encryption and signs its frames; "
+    "set it yourself, the same on every node, for a multi-node run",
     "TRAINSCOUT_PKG_PATH": "where the bootstrap finds trainscout inside a rank",
     "TRAINSCOUT_PROBE_PID": "marks a rank's children (DataLoader workers) so they start no probe of their own",
     "TRAINSCOUT_INJECT": "faults to inject (`--inject`), for the ranks",

@@ -128,6 +128,7 @@ def test_state_last_reported_by_a_dead_agent_is_not_judged_as_a_hang(jobs, tmp_p
 def test_coordinator_drops_and_counts_garbage_and_keeps_working(jobs, tmp_path):
     from trainscout.wire.framing import VERSION, Codec
     from trainscout.wire.messages import Goodbye, Hello
+    from trainscout.wire.security import secure_client
 
     secret = os.urandom(32)
     job = _demo_job(jobs, tmp_path, "garbage", steps=120, env={"TRAINSCOUT_SECRET": secret.hex()})
@@ -139,9 +140,20 @@ def test_coordinator_drops_and_counts_garbage_and_keeps_working(jobs, tmp_path):
     forged = Codec(b"x" * 32)
     hello = good.encode(Hello(node_id="intruder-test", host="test", agent_pid=os.getpid()))
     ctx = zmq.Context()
+    # A peer without the secret claims the real agent's identity for 3 s: refused at the handshake, so
+    # the coordinator keeps its route to the real agent (it used to lose it for good).
+    thief = ctx.socket(zmq.DEALER)
+    thief.setsockopt(zmq.LINGER, 0)
+    thief.setsockopt(zmq.IDENTITY, b"node0")
+    thief.connect(address)
+    thief.send_multipart(hello)
+    time.sleep(3.0)
+    thief.close(0)
+
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.IDENTITY, b"intruder-test")
+    secure_client(sock, secret)  # this one holds the job secret but sends bad frames
     sock.connect(address)
     try:
         sent = [
@@ -178,8 +190,11 @@ def test_coordinator_drops_and_counts_garbage_and_keeps_working(jobs, tmp_path):
     expected: dict[str, int] = {}
     for reason, _ in sent:
         expected[reason] = expected.get(reason, 0) + 1
+    refused = exits[0]["rejected"].pop("handshake", 0)
+    assert refused >= 1, exits[0]  # the thief (zmq retries a refused peer, so maybe more than once)
     assert exits[0]["rejected"] == expected, exits[0]
     assert "monitoring was lost" not in result.output, result.describe()
+    assert not [e for e in events if e["kind"] == "agent_lost"], events
 
 
 def test_codec_frames_used_above_are_what_the_codec_rejects():

@@ -11,6 +11,7 @@ import zmq
 
 from trainscout.wire.endpoints import AgentEndpoint, CoordinatorEndpoint
 from trainscout.wire.framing import VERSION, Codec
+from trainscout.wire.security import secure_client, server_keys
 from trainscout.wire.messages import (
     CollectiveRecord,
     Command,
@@ -170,6 +171,7 @@ def test_coordinator_drops_and_counts_hostile_frames(coordinator: CoordinatorEnd
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    secure_client(raw, SECRET)  # a peer that holds the secret, sending bad frames
     raw.connect(coordinator.address)
     try:
         raw.send_multipart([b"garbage"])  # frames
@@ -194,6 +196,7 @@ def test_rejected_frame_does_not_end_recv_early(coordinator: CoordinatorEndpoint
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    secure_client(raw, SECRET)
     raw.connect(coordinator.address)
     try:
         raw.send_multipart([b"garbage"])
@@ -210,6 +213,8 @@ def test_agent_drops_and_counts_hostile_commands() -> None:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.CURVE_SERVER, 1)  # a coordinator's keys without its client check
+    router.setsockopt(zmq.CURVE_SECRETKEY, server_keys(SECRET)[1])
     port = router.bind_to_random_port("tcp://127.0.0.1")
     agent = AgentEndpoint(f"tcp://127.0.0.1:{port}", SECRET, identity="node-c")
     try:

@@ -562,7 +562,9 @@ def monitoring_gap_lines(events_path: str) -> list[str]:
             )
         elif kind == "coordinator_exit" and e.get("rejected"):
             rejected = ", ".join(f"{n} {why}" for why, n in sorted(e["rejected"].items()))
-            lines.append(f"frames refused by the coordinator (not from this job's agents, or malformed): {rejected}")
+            lines.append(
+                f"input refused by the coordinator (connections without this job's key, bad frames): {rejected}"
+            )
     for node, since in lost_at.items():
         lines.append(f"monitoring gap: the agent of {node} went silent at {clock(since)} and never reported again")
     return lines

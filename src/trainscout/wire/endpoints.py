@@ -4,7 +4,9 @@ The coordinator binds one ROUTER socket; each node agent (and the run supervisor
 with a stable identity, so the coordinator can address commands back to a node. Both ends sit beside
 a training job they must never disturb: every send is non-blocking, lingering is off, and network
 conditions (peer gone, queue full, socket closed) become a False/None result instead of an exception.
-Frames are signed and checked by `framing.Codec`; rejected input is counted in `rejected`.
+Connections are authenticated by CurveZMQ (`security`): a peer without the job secret is refused at the
+handshake, before it can claim an identity or send a byte of a message. Frames are also signed and
+checked by `framing.Codec`; rejected input and refused connections are counted in `rejected`.
 Like any zmq socket, each endpoint belongs to one thread.
 """
 
@@ -20,11 +22,21 @@ import zmq
 
 from trainscout.wire.framing import DEFAULT_MAX_PAYLOAD, Codec
 from trainscout.wire.messages import Command
+from trainscout.wire.security import ServerGuard, secure_client
 
 # zmq refuses (and disconnects) single frames far beyond the codec's limit before buffering them whole;
 # moderately oversized frames still reach the codec so they are counted as "oversize".
 _ZMQ_FRAME_LIMIT = 2 * DEFAULT_MAX_PAYLOAD + 1024
 AGENT_SEND_HWM = 1000
+# Messages zmq queues per connected peer before it stops reading that peer's socket (TCP pushes back on
+# the sender alone): with the frame limit, what one peer can make the coordinator hold, and the reason
+# one flooding peer cannot crowd the others out (the ROUTER reads its peers in turn).
+COORDINATOR_RECV_HWM_PER_PEER = 256
+# Reason counted in `rejected` for a connection refused at the CURVE handshake.
+REJECT_HANDSHAKE = "handshake"
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def _deadline(timeout_ms: int) -> float | None:
@@ -52,11 +64,14 @@ class CoordinatorEndpoint:
         # A restarted agent reuses its identity; let the new connection take it over.
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_FRAME_LIMIT)
+        self._sock.setsockopt(zmq.RCVHWM, COORDINATOR_RECV_HWM_PER_PEER)
+        self._guard = ServerGuard(self._ctx, self._sock, secret)
+        # refused handshakes are reported on an in-process monitor socket; counted when `rejected` is read
+        self._monitor = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
             self._sock.bind(bind)
         except zmq.ZMQError:
-            self._sock.close(0)
-            self._ctx.term()
+            self._teardown()
             raise  # a bad bind address is a configuration error the caller must see
         self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._closed = False
@@ -68,7 +83,20 @@ class CoordinatorEndpoint:
 
     @property
     def rejected(self) -> Counter[str]:
+        """Rejected frames by reason, and connections refused at the handshake ("handshake")."""
+        self._count_refused_handshakes()
         return self._codec.rejected
+
+    def _count_refused_handshakes(self) -> None:
+        if self._closed:
+            return
+        try:
+            while self._monitor.poll(0, zmq.POLLIN):
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+                if len(frames) == 2:  # an event frame and the peer's address
+                    self._codec.rejected[REJECT_HANDSHAKE] += 1
+        except zmq.ZMQError:
+            pass
 
     def recv(self, timeout_ms: int) -> tuple[bytes, Any] | None:
         """(agent identity, message) or None when nothing valid arrived within timeout_ms.
@@ -117,8 +145,18 @@ class CoordinatorEndpoint:
     def close(self) -> None:
         if self._closed:
             return
+        self._count_refused_handshakes()
         self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
         self._sock.close(0)
+        self._guard.stop()
         self._ctx.term()
 
 
@@ -141,6 +179,7 @@ class AgentEndpoint:
         self._sock.setsockopt(zmq.IMMEDIATE, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_FRAME_LIMIT)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # back off against a coordinator that is gone
+        secure_client(self._sock, secret)
         try:
             self._sock.connect(connect)
         except zmq.ZMQError:
