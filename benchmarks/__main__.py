@@ -54,6 +54,12 @@ QUESTIONS: dict[str, dict[str, tuple[str, str]]] = {
             "the real coordinator fed by simulated node agents, 1k-100k ranks: pass time, RSS, digest bytes, hang",
         ),
     },
+    "soak": {
+        "run": (
+            "benchmarks.soak",
+            "one long job with every check on: RSS, descriptors, shared memory flat; 0 findings",
+        ),
+    },
     "gpu": {
         "overhead": ("benchmarks.gpu.overhead", "step time on H200s: baseline, trainscout, the peer, per workload"),
         "fingerprint": ("benchmarks.gpu.fingerprint", "GPU fingerprint TB/s beside torch.sum and the peer"),
@@ -79,6 +85,7 @@ QUICK: dict[tuple[str, str], list[str]] = {
     ("overhead", "probe"): ["--blocks", "2", "--block-steps", "10", "--warmup", "10", "--no-record"],
     ("overhead", "profile"): ["--steps", "60", "--only-trainscout", "--no-record"],
     ("throughput", "fingerprint"): ["--sizes-mib", "1", "16", "--reps", "2", "--no-record"],
+    ("soak", "run"): ["--minutes", "2", "--warmup-minutes", "0.5", "--every", "10", "--no-record"],
 }
 
 

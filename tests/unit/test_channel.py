@@ -84,3 +84,4 @@ def test_every_probe_error_reaches_the_digest_in_order_and_a_burst_is_counted():
     finally:
         writer.close()
         view.reader.close()
+        os.unlink(writer.path)  # the channel lives in /dev/shm: a test must not leave it behind
