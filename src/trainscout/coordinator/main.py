@@ -156,6 +156,7 @@ class Coordinator:
         self.request_ids = itertools.count(1)
         self.aborting = False
         self.root_found = False
+        self._confirms_after: str | None = None  # the detector whose suspects wait for a confirmation
         self._next_trust = 0.0
         self._last_trust = ""
         self.stop = False
@@ -304,10 +305,14 @@ class Coordinator:
             for f in judgement.findings:
                 self._take(f, view)
             for ask in judgement.asks:
+                if isinstance(ask, Confirm):
+                    self._confirms_after = detector.name
                 self._ask(ask, view)
             for kind, fields in judgement.events:
                 self.events.write(kind, **fields)
-            if detector.name == "numerics":  # a confirmation resolves in the pass of its suspects' detector
+            # a confirmation resolves in the slot of the detector that asked for it, so what it names takes
+            # that detector's place in the judging order (root causes before their consequences)
+            if detector.name == self._confirms_after:
                 for f in self._confirm(now):
                     self.emit(f, now)
         self._flush_due(now)
