@@ -41,6 +41,7 @@ from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.runner.handoff import Handoff
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
+from trainscout.sinks.held_lines import FullFolderNotice
 from trainscout.sinks import metrics as run_metrics
 from trainscout.sinks.evidence_log import EvidenceLog
 from trainscout.sinks.notify import Notifier, notify_urls
@@ -121,8 +122,9 @@ class Coordinator:
     ) -> None:
         self.endpoint = endpoint
         self.console = console
-        self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
-        self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
+        self.folder = FullFolderNotice(console.warn, console.info)
+        self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"), self.folder)
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), self.folder)
         self.evidence_log = EvidenceLog(os.path.join(run_dir, "evidence.jsonl"))
         self.handoff = handoff or Handoff(run_dir, os.path.basename(run_dir))  # verdict.json, --on-finding
         self.attempts = AttemptTracker()  # elastic restarts: each attempt's ranks are judged afresh
@@ -403,9 +405,12 @@ class Coordinator:
         if self.topology.shown:
             self._topology_key = key
         if changed is not None:
-            with open(self.topology_file + ".tmp", "wb") as fh:
-                fh.write(msgspec.json.encode(changed))  # json.dump took seconds for 10k ranks' groups
-            os.replace(self.topology_file + ".tmp", self.topology_file)
+            try:
+                with open(self.topology_file + ".tmp", "wb") as fh:
+                    fh.write(msgspec.json.encode(changed))  # json.dump took seconds for 10k ranks' groups
+                os.replace(self.topology_file + ".tmp", self.topology_file)
+            except OSError:
+                pass  # a full run folder: the report's topology stays as it was, detection goes on
             self.events.write("topology", groups=changed["groups"], replicas=changed["replicas"])
         if line is not None:
             self.console.info(line)
@@ -876,6 +881,13 @@ class Coordinator:
             "coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected), **counters
         )
         self.evidence_log.close()
+        self.events.close()
+        self.findings_sink.close()  # what a full disk held back is written now, if there is space
+        if self.findings_sink.held:
+            self.console.warn(
+                f"{self.findings_sink.held} finding(s) are missing from findings.jsonl: the run folder is still full "
+                "(they were shown above)"
+            )
         self.handoff.finish()
         self.endpoint.close()
         if self.metrics:
