@@ -26,6 +26,7 @@ from trainscout import config, log
 from trainscout.coordinator import confirmation
 from trainscout.coordinator.attempts import AttemptTracker
 from trainscout.coordinator.memberships import Memberships
+from trainscout.coordinator.step_commands import StepCommands
 from trainscout.detectors.devices import DeviceWatch
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe
@@ -40,6 +41,7 @@ from trainscout.integrations.topology import TopologyTracker
 from trainscout.process_priority import lower_priority
 from trainscout.runner.handoff import Handoff
 from trainscout.sinks import ConsoleSink, EventLog, JsonlSink
+from trainscout.sinks.held_lines import FullFolderNotice
 from trainscout.sinks import metrics as run_metrics
 from trainscout.sinks.evidence_log import EvidenceLog
 from trainscout.sinks.notify import Notifier, notify_urls
@@ -120,8 +122,9 @@ class Coordinator:
     ) -> None:
         self.endpoint = endpoint
         self.console = console
-        self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"))
-        self.events = EventLog(os.path.join(run_dir, "events.jsonl"))
+        self.folder = FullFolderNotice(console.warn, console.info)
+        self.findings_sink = JsonlSink(os.path.join(run_dir, "findings.jsonl"), self.folder)
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), self.folder)
         self.evidence_log = EvidenceLog(os.path.join(run_dir, "evidence.jsonl"))
         self.handoff = handoff or Handoff(run_dir, os.path.basename(run_dir))  # verdict.json, --on-finding
         self.attempts = AttemptTracker()  # elastic restarts: each attempt's ranks are judged afresh
@@ -153,6 +156,7 @@ class Coordinator:
         self.pending_stacks: dict[int, PendingStacks] = {}
         self.pending_fetch: dict[int, PendingFetch] = {}
         self.pending_profiles: dict[int, PendingProfile] = {}
+        self.step_commands = StepCommands()  # link probes and replays: sent over sound links, resent to returners
         self.request_ids = itertools.count(1)
         self.aborting = False
         self.root_found = False
@@ -221,6 +225,7 @@ class Coordinator:
             node["lost"] = False
             self.console.info(f"agent {node['name']} is reporting again")
             self.events.write("agent_back", node=node["name"], silent_s=round(now - node["last"], 1))
+            self._resend_step_commands(identity)
         node["last"] = now
         if isinstance(msg, (NodeDigest, Hello)):
             node["agent"] = True  # the supervisor's one-off launcher report is not an agent
@@ -266,6 +271,7 @@ class Coordinator:
             )
         elif isinstance(msg, Hello):
             self.events.write("agent_hello", node=msg.node_id, host=msg.host, pid=msg.agent_pid)
+            self._resend_step_commands(identity)
         elif isinstance(msg, Goodbye):
             node["gone"] = True
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
@@ -404,9 +410,12 @@ class Coordinator:
         if self.topology.shown:
             self._topology_key = key
         if changed is not None:
-            with open(self.topology_file + ".tmp", "wb") as fh:
-                fh.write(msgspec.json.encode(changed))  # json.dump took seconds for 10k ranks' groups
-            os.replace(self.topology_file + ".tmp", self.topology_file)
+            try:
+                with open(self.topology_file + ".tmp", "wb") as fh:
+                    fh.write(msgspec.json.encode(changed))  # json.dump took seconds for 10k ranks' groups
+                os.replace(self.topology_file + ".tmp", self.topology_file)
+            except OSError:
+                pass  # a full run folder: the report's topology stays as it was, detection goes on
             self.events.write("topology", groups=changed["groups"], replicas=changed["replicas"])
         if line is not None:
             self.console.info(line)
@@ -499,14 +508,17 @@ class Coordinator:
     def _confirm(self, now: float) -> list[Finding]:
         """Numerical suspects wait for a confirmation (replay of their layers and the whole replicated state,
         on every replica at one step ahead): schedule the next one; the completed findings once it is in."""
-        if self.confirmations.queued is not None and self.confirmations.current is None:
+        if (
+            self.confirmations.queued is not None
+            and self.confirmations.current is None
+            and self.step_commands.links_sound(self.nodes, now)
+        ):
             step, rate = self._step_ahead(now, confirmation.LEAD_S, lead_steps=3)
             rid = next(self.request_ids)
             step_s = statistics.median(self._step_walls) if self._step_walls else 0.0
             payload = self.confirmations.next_request(step, rid, now, step_s)
-            if payload is not None:
-                for ident in self.nodes:
-                    self.endpoint.send(ident, Command(kind="replay", request_id=rid, payload=payload))
+            if payload is not None and step is not None:  # (no payload without a step)
+                self._send_step_command(step, Command(kind="replay", request_id=rid, payload=payload))
                 pending = self.confirmations.current
                 assert pending is not None  # next_request started it
                 self.console.info(
@@ -532,18 +544,28 @@ class Coordinator:
         """Collectives of `pg` slowed on every member: have the members time exchanges with each other at a
         step far enough ahead that every probe has read the request (see probe/link_probe.py)."""
         step, rate = self._step_ahead(now)
-        if step is None:
-            return
+        if step is None or not self.step_commands.links_sound(self.nodes, now):
+            return  # (asked again while the slowdown lasts)
         rid = next(self.request_ids)
         payload = json.dumps({"id": rid, "step": step, "members": ask.members})
-        for ident in self.nodes:
-            self.endpoint.send(ident, Command(kind="linkprobe", request_id=rid, payload=payload))
+        self._send_step_command(step, Command(kind="linkprobe", request_id=rid, payload=payload))
         ask.scheduled(rid, step, now)
         self.console.info(
             f"collectives of pg {ask.pg} slowed on every member ({ask.before_s * 1e3:.1f} -> "
             f"{ask.now_s * 1e3:.1f} ms per step): link probe at step {step}"
         )
         self.events.write("link_probe_requested", pg=ask.pg, step=step, members=ask.members, steps_per_s=round(rate, 2))
+
+    def _send_step_command(self, step: int, cmd: Command) -> None:
+        for ident in self.nodes:
+            self.endpoint.send(ident, cmd)
+        self.step_commands.sent(step, cmd)
+
+    def _resend_step_commands(self, identity: bytes) -> None:
+        """An agent restarted or back from a silence may have missed a command for a step still ahead."""
+        for cmd in self.step_commands.to_resend(self._top_step):
+            self.endpoint.send(identity, cmd)
+            self.events.write("step_command_resent", node=identity.decode(errors="replace"), command=cmd.kind)
 
     def _step_ahead(
         self, now: float, lead_s: float = REPLAY_LEAD_S, lead_steps: int = REPLAY_LEAD_STEPS
@@ -570,8 +592,8 @@ class Coordinator:
         Every replica must replay at the same step (the input travels by a side-group broadcast), so the
         step is picked far enough ahead that every probe has read the request before reaching it.
         """
-        if not os.path.exists(self.replay_request_file):
-            return
+        if not os.path.exists(self.replay_request_file) or not self.step_commands.links_sound(self.nodes, now):
+            return  # (a request waits for every agent to be reporting)
         try:
             with open(self.replay_request_file) as fh:
                 request = json.load(fh)
@@ -597,9 +619,9 @@ class Coordinator:
             self.events.write("replay_request_ignored", reason=f"unknown layer {layer}")
             return
         step, rate = self._step_ahead(now)
+        assert step is not None  # there is a step history (checked above)
         payload = json.dumps({"id": next(self.request_ids), "step": step, "layer": layer})
-        for ident in self.nodes:
-            self.endpoint.send(ident, Command(kind="replay", request_id=next(self.request_ids), payload=payload))
+        self._send_step_command(step, Command(kind="replay", request_id=next(self.request_ids), payload=payload))
         self.console.info(f"replay requested: {layer or 'next layer of the rotation'} at step {step}")
         self.events.write("replay_requested", step=step, layer=layer, steps_per_s=round(rate, 2))
 
@@ -864,6 +886,13 @@ class Coordinator:
             "coordinator_exit", findings=len(self.findings), rejected=dict(self.endpoint.rejected), **counters
         )
         self.evidence_log.close()
+        self.events.close()
+        self.findings_sink.close()  # what a full disk held back is written now, if there is space
+        if self.findings_sink.held:
+            self.console.warn(
+                f"{self.findings_sink.held} finding(s) are missing from findings.jsonl: the run folder is still full "
+                "(they were shown above)"
+            )
         self.handoff.finish()
         self.endpoint.close()
         if self.metrics:

@@ -30,7 +30,9 @@ from trainscout.runner.launcher_log import worker_exits
 from trainscout.runner.launchers import BOOTSTRAP_DIR, PKG_PARENT  # noqa: F401  (re-exported)
 from trainscout.runner.live_exits import LiveExitReporter
 from trainscout.runner.restarts import RestartPolicy
-from trainscout.sinks import ConsoleSink, EventLog, probe_costs, report_html, write_summary
+from trainscout.sinks import ConsoleSink, EventLog, probe_costs, report_html
+from trainscout.sinks.held_lines import FullFolderNotice, HeldLines
+from trainscout.sinks.summary import write_summary_or_say
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
 
@@ -111,7 +113,8 @@ class Supervisor:
         self.run_dir = run_dir_of(opts, self.run_id)
         os.makedirs(self.run_dir, exist_ok=True)
         log.setup("supervisor", self.run_dir, level=self.opts.settings.get("TRAINSCOUT_LOG_LEVEL", "INFO"))
-        self.events = EventLog(os.path.join(self.run_dir, "events.supervisor.jsonl"))
+        self.folder = FullFolderNotice(self.console.warn, self.console.info)
+        self.events = EventLog(os.path.join(self.run_dir, "events.supervisor.jsonl"), self.folder)
         secret_hex = os.environ.get("TRAINSCOUT_SECRET")
         if not secret_hex:
             if not opts.serve_coordinator or opts.coordinator_addr:
@@ -248,12 +251,13 @@ class Supervisor:
 
     def _pump(self, stream, out) -> None:
         exits = LiveExitReporter(self.secret, f"supervisor-{os.getpid()}-exits", self.opts.node_id or "")
+        # held while the disk is full: this thread must keep draining the launcher's pipe, or training blocks
+        log = HeldLines(os.path.join(self.run_dir, "launcher.log"), self.folder.full, self.folder.space)
         for line in iter(stream.readline, ""):
             self._launcher_text.append(line)
             if len(self._launcher_text) > 20000:
                 del self._launcher_text[:10000]
-            with open(os.path.join(self.run_dir, "launcher.log"), "a") as log:
-                log.write(line)
+            log.append(line.encode(errors="replace"))
             if not self.opts.quiet_launcher and not self._stopping_on_purpose():
                 out.write(line)
                 out.flush()
@@ -264,6 +268,7 @@ class Supervisor:
         if exits.sent:
             time.sleep(0.3)  # let the last report leave before the socket closes
         exits.close()
+        log.close()
 
     def _stopping_on_purpose(self) -> bool:
         """Once the coordinator stops the job (--abort-on), the ranks' and launcher's teardown tracebacks are
@@ -514,7 +519,8 @@ class Supervisor:
         notes.extend(self.restarts.gap_lines())
         notes.extend(monitoring_gap_lines(os.path.join(self.run_dir, "events.jsonl")))
         notes.extend(attempt_lines_of(os.path.join(self.run_dir, "events.jsonl")))
-        write_summary(
+        write_summary_or_say(
+            self.console,
             os.path.join(self.run_dir, "summary.md"),
             run_id=self.run_id,
             command=self.opts.command,

@@ -1,7 +1,8 @@
 """Append-only JSON-lines files of a run: `findings.jsonl` and the event log.
 
-Findings are appended the moment they are emitted and flushed line by line, so a run that is killed
-(or a coordinator that crashes) still leaves every finding on disk; `trainscout report` and the tests
+Findings are appended the moment they are emitted, one unbuffered write per line, so a run that is killed
+(or a coordinator that crashes) still leaves every finding on disk; a full disk holds them in memory until
+there is space (see held_lines); `trainscout report` and the tests
 read them back with `findings.from_json`. The event log records what trainscout itself did and saw
 (agents joining, commands sent, monitoring gaps) for debugging a run after the fact.
 """
@@ -17,28 +18,32 @@ from typing import Any
 import msgspec
 
 from trainscout.findings import Finding, to_json
+from trainscout.sinks.held_lines import FullFolderNotice, HeldLines
 
 
-def _open_append(path: str | os.PathLike) -> Any:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return open(path, "ab")
+def _open_append(path: str, notice: FullFolderNotice | None) -> HeldLines:
+    if notice is None:
+        return HeldLines(path)
+    return HeldLines(path, on_full=notice.full, on_space=notice.space)
 
 
 class JsonlSink:
-    """One JSON line per finding, appended and flushed."""
+    """One JSON line per finding, appended at once (held while the disk is full)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, notice: FullFolderNotice | None = None) -> None:
         self.path = os.fspath(path)
-        self._file = _open_append(self.path)
+        self._file = _open_append(self.path, notice)
         self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        """Findings not on disk yet (the disk was full)."""
+        return self._file.held
 
     def finding(self, f: Finding) -> None:
         line = to_json(f) + b"\n"
         with self._lock:
-            if self._file.closed:
-                return
-            self._file.write(line)
-            self._file.flush()
+            self._file.append(line)
 
     def close(self) -> None:
         with self._lock:
@@ -68,9 +73,9 @@ def _plain(value: Any) -> Any:
 class EventLog:
     """Timestamped events, one JSON object per line: {"t": wall-clock seconds, "kind": ..., **fields}."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, notice: FullFolderNotice | None = None) -> None:
         self.path = os.fspath(path)
-        self._file = _open_append(self.path)
+        self._file = _open_append(self.path, notice)
         # enc_hook covers the common case (a stray object) without copying every event.
         self._encoder = msgspec.json.Encoder(enc_hook=str)
         self._lock = threading.Lock()
@@ -84,10 +89,7 @@ class EventLog:
         except Exception:  # e.g. dict keys of an unsupported type: fall back to a sanitised copy
             line = self._encoder.encode(_plain(event))
         with self._lock:
-            if self._file.closed:
-                return
-            self._file.write(line + b"\n")
-            self._file.flush()
+            self._file.append(line + b"\n")
         for observe in self.observers:
             observe(kind, fields)
 

@@ -158,3 +158,20 @@ def write_summary(
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, path)  # a reader never sees half a report
+
+
+def write_summary_or_say(console, path: str | os.PathLike, **fields) -> bool:
+    """write_summary, or (a full or vanished run folder) one clear line instead of a traceback, the report's
+    notes on the terminal so the gaps it would have listed are not lost: the findings were shown as they came."""
+    try:
+        write_summary(path, **fields)
+        return True
+    except OSError as exc:
+        try:
+            os.unlink(f"{os.fspath(path)}.tmp")
+        except OSError:
+            pass
+        console.warn(f"summary.md not written ({exc.strerror or exc}): the run folder is full or gone")
+        for note in fields.get("notes", []):
+            console.info(note)
+        return False
