@@ -360,3 +360,34 @@ def test_a_pair_slow_from_one_end_only_is_not_a_slow_link():
     results = {r: {p: 0.0018 for p in WORLD if p != r} for r in WORLD}
     results[0][3] = 0.0082
     assert _judge(results) == []
+
+
+def _rising_waits_seen_on(seen: list[int], members: dict[str, list[int]] | None):
+    """Ranks `seen` report (the others unseen: their agent restarting); their waits rise because they wait for
+    the unseen ones. Returns the link probes the detector asks for."""
+    det = StragglerDetector()
+    requests = []
+    rng = random.Random(2)
+    for s in range(1, 60):
+        for r in seen:
+            w = 0.003 * (1 + rng.uniform(-0.2, 0.2)) + (0.02 if s > 30 else 0.0)
+            det.add(
+                r, [StepRecord(step=s, wall_s=0.05, cpu_s=0.02, data_s=0, ckpt_s=0, wait_s=w, pg_wait={"0": w})], 0.0
+            )
+        det.update(0.0, set(seen), members)
+        req = det.comm.take_request()
+        if req:
+            requests.append(req)
+            det.comm.scheduled(7, req[0], req[1], s + 10, req[2], req[3], 0.0)
+    return requests
+
+
+def test_a_group_with_unseen_members_is_not_link_probed():
+    # Seen in a chaos run: after the coordinator restarted, only node 0's ranks 0 and 1 had reported; they
+    # waited for node 1's (stopped) ranks, and a probe of the two named them "inconclusive" stragglers.
+    assert _rising_waits_seen_on([0, 1], None)  # the records alone make the two look like the whole group
+    assert _rising_waits_seen_on([0, 1], {"0": [0, 1, 2, 3]}) == []
+    assert _rising_waits_seen_on([0, 1], {}) == []  # membership not known yet: nothing to judge
+    # every member seen: the probe is asked for as before
+    (req,) = _rising_waits_seen_on([0, 1, 2, 3], {"0": [0, 1, 2, 3]})
+    assert req[0] == "0" and req[1] == [0, 1, 2, 3]

@@ -15,6 +15,8 @@ Pure logic: records in, requests and findings out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -71,7 +73,16 @@ class CommStragglerWatch:
         self._reported: set[tuple] = set()
 
     # ---- trigger -------------------------------------------------------------------------------
-    def observe(self, step: int, recs: dict[int, StepRecord], compute_flagged: bool, now: float) -> None:
+    def observe(
+        self,
+        step: int,
+        recs: dict[int, StepRecord],
+        compute_flagged: bool,
+        now: float,
+        members: Mapping[str, list[int]] | None = None,
+    ) -> None:
+        """One step's records. `members` (group -> its ranks, as the coordinator knows them): a group is judged
+        only at steps where every one of its members reported; None takes the reporting ranks as the group."""
         if compute_flagged:
             self._last_compute_flag = step
         self._step = step
@@ -79,6 +90,10 @@ class CommStragglerWatch:
         for name in names:
             waits = {r: rec.pg_wait[name] for r, rec in recs.items() if name in rec.pg_wait}
             if len(waits) < 2:
+                continue
+            # "Slowed on every member" needs every member: with some unseen (an agent restarting, a node
+            # cut off), the ones seen wait for them, and probing only those named two healthy ranks.
+            if members is not None and not (name in members and set(members[name]) <= set(waits)):
                 continue
             g = self.groups.setdefault(name, _Group())
             g.members |= set(waits)

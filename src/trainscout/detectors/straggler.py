@@ -27,6 +27,8 @@ A uniformly slow job has no outlier. Communication stragglers are comm_straggler
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import bisect
 import math
 import statistics
@@ -145,7 +147,7 @@ class StragglerDetector(DetectorBase):
 
     def judge(self, view: JobView) -> Judgement:
         self.shared_gpu = view.shared_gpu  # ranks competing for one GPU
-        out = Judgement(findings=self.update(view.now, view.live))
+        out = Judgement(findings=self.update(view.now, view.live, view.members))
         wanted = self.comm.take_request()
         if wanted is not None:
             pg, members, before_s, now_s = wanted
@@ -166,7 +168,9 @@ class StragglerDetector(DetectorBase):
     def add_links(self, rank: int, links: list[LinkRecord], now: float) -> None:
         self.comm.add_links(rank, links, now)
 
-    def update(self, now: float, live: set[int]) -> list[Finding]:
+    def update(self, now: float, live: set[int], members: Mapping[str, list[int]] | None = None) -> list[Finding]:
+        """Judge the steps every live rank reported (or that waited long enough); `members`: the process
+        groups as the coordinator knows them (None: as the ranks' records show them)."""
         findings: list[Finding] = []
         for step in sorted(self._pending):
             entry = self._pending[step]
@@ -186,7 +190,7 @@ class StragglerDetector(DetectorBase):
             for watch in self.parts:
                 findings.extend(watch.observe(step, recs))
                 compute_flagged |= bool(watch.flagged)
-            self.comm.observe(step, recs, compute_flagged, now)
+            self.comm.observe(step, recs, compute_flagged, now, members)
         findings.extend(self.comm.judge(now))
         return findings
 
