@@ -53,6 +53,10 @@ QUESTIONS: dict[str, dict[str, tuple[str, str]]] = {
             "benchmarks.scale",
             "the real coordinator fed by simulated node agents, 1k-100k ranks: pass time, RSS, digest bytes, hang",
         ),
+        "node": (
+            "benchmarks.scale_node",
+            "a real 8-rank gloo node under trainscout: agent/coordinator/supervisor CPU and RSS, agent bytes/s",
+        ),
     },
     "gpu": {
         "overhead": ("benchmarks.gpu.overhead", "step time on H200s: baseline, trainscout, the peer, per workload"),
@@ -79,6 +83,7 @@ QUICK: dict[tuple[str, str], list[str]] = {
     ("overhead", "probe"): ["--blocks", "2", "--block-steps", "10", "--warmup", "10", "--no-record"],
     ("overhead", "profile"): ["--steps", "60", "--only-trainscout", "--no-record"],
     ("throughput", "fingerprint"): ["--sizes-mib", "1", "16", "--reps", "2", "--no-record"],
+    ("scale", "node"): ["--seconds", "10", "--no-baseline", "--no-record"],
 }
 
 
