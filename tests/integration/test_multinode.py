@@ -128,7 +128,7 @@ def test_four_nodes_late_node_restarted_agent_and_a_hang_on_the_third_node(jobs,
         jobs,
         tmp_path,
         "mn4-hang",
-        options=("--inject", "hang:rank=2:step=60;slow:rank=all:step=0:ms=100", "--abort-on", "hang"),
+        options=("--inject", "hang:rank=2:step=75;slow:rank=all:step=0:ms=100", "--abort-on", "hang"),
         script=("--steps", "400", "--log-every", "5"),
         late_node=3,
         env={"TRAINSCOUT_FAULT_LOG": str(fault_log)},
@@ -151,17 +151,17 @@ def test_four_nodes_late_node_restarted_agent_and_a_hang_on_the_third_node(jobs,
     f = r0.findings[0]
     assert f["status"] == "attributed", r0.describe()
     assert f["culprit_ranks"] == [2], r0.describe()
-    assert f["step"] == 60, r0.describe()
+    assert f["step"] == 75, r0.describe()
     assert sorted(f["evidence"]["waiting_ranks"]) == [0, 1, 3], r0.describe()
     assert "2" in f["stacks"] and "_fire" in f["stacks"]["2"], r0.describe()
     assert f["confirmed"] - hang_fired[0]["t"] <= 15.0, r0.describe()
 
-    # every node's agent said hello; node 3's last, seconds after the others; node 2's twice (restarted)
+    # every node's agent said hello, node 3's though its node started late; node 2's twice (restarted)
     hellos = _hellos(r0)
     assert sorted(hellos) == [f"node{n}" for n in range(NODES)], r0.describe()
-    first = {node: min(times) for node, times in hellos.items()}
-    assert first["node3"] > max(t for node, t in first.items() if node != "node3"), hellos
-    assert first["node3"] - min(first.values()) >= LATE_S / 2, hellos
+    # (hellos queue at their agents until the coordinator is up, so their times say little of who came when)
+    started = {n: next(e["t"] for e in _supervisor_events(nodes[n]) if e["kind"] == "start") for n in (1, 2, 3)}
+    assert started[3] - max(started[1], started[2]) >= LATE_S / 2, started
     assert len(hellos["node2"]) == 2 and max(hellos["node2"]) >= agent_back - 1.0, hellos
     for n in (0, 1, 3):
         assert len(hellos[f"node{n}"]) == 1, hellos
