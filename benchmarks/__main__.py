@@ -53,6 +53,10 @@ QUESTIONS: dict[str, dict[str, tuple[str, str]]] = {
             "benchmarks.scale",
             "the real coordinator fed by simulated node agents, 1k-100k ranks: pass time, RSS, digest bytes, hang",
         ),
+        "node": (
+            "benchmarks.scale_node",
+            "a real 8-rank gloo node under trainscout: agent/coordinator/supervisor CPU and RSS, agent bytes/s",
+        ),
     },
     "soak": {
         "run": (
@@ -86,6 +90,7 @@ QUICK: dict[tuple[str, str], list[str]] = {
     ("overhead", "profile"): ["--steps", "60", "--only-trainscout", "--no-record"],
     ("throughput", "fingerprint"): ["--sizes-mib", "1", "16", "--reps", "2", "--no-record"],
     ("soak", "run"): ["--minutes", "2", "--warmup-minutes", "0.5", "--every", "10", "--no-record"],
+    ("scale", "node"): ["--seconds", "10", "--no-baseline", "--no-record"],
 }
 
 
