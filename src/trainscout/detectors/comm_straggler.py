@@ -33,7 +33,7 @@ WINDOW = 8
 RISE_FACTOR = 2.0
 RISE_ABS_S = 0.005
 RETRY_S = 60.0  # between link probes of one group
-MAX_PROBES = 3
+MAX_PROBES = 4  # a finding needs two in a row
 RESULT_WAIT_S = 15.0  # after the probe step, for every member's result
 LINK_REL, LINK_ABS_S = 1.0, 0.005  # a slow endpoint: >= 2x and >= 5 ms above the median of the minima
 PAIR_FACTOR = 3.0  # a slow pair: >= 3x the median pair time
@@ -48,6 +48,8 @@ class _Group:
     last_probe: float = -1e9
     probes: int = 0
     reported: bool = False
+    # what the last probe found slow, (endpoint, ranks) -> finding: named only if the next probe finds it again
+    candidates: dict[tuple, Finding] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,8 +147,27 @@ class CommStragglerWatch:
             if not complete and now - probe.scheduled_at < RESULT_WAIT_S + 30.0:
                 continue
             del self.probes[rid]
-            out.extend(self._judge_probe(probe))
+            out.extend(self._reproduced(probe.pg, self._judge_probe(probe)))
         return out
+
+    def _reproduced(self, pg: str, found: list[Finding]) -> list[Finding]:
+        """A slow endpoint or link is slow in every probe; a pair that was descheduled at the wrong moment on a
+        crowded machine is not (two disjoint "slow links" among 6 healthy ranks on 2 cores, at load 17). So a
+        probe's findings are named only if the group's next probe finds the same; a first sighting probes again
+        at once."""
+        g = self.groups.setdefault(pg, _Group())
+        now_found = {(f.evidence.get("endpoint"), tuple(f.culprit_ranks)): f for f in found}
+        before, g.candidates = g.candidates, now_found
+        confirmed = [f for key, f in now_found.items() if key in before]
+        if confirmed:
+            g.reported, g.candidates = True, {}
+            for f in confirmed:
+                f.summary += "; slow in two link probes in a row"
+                f.evidence["probes_agreeing"] = 2
+            return confirmed
+        if now_found:
+            g.last_probe = -1e9  # probe again as soon as the slowdown still shows
+        return []
 
     def _judge_probe(self, probe: _Probe) -> list[Finding]:
         minima = {r: min(s.values()) for r, s in probe.results.items() if s}
@@ -167,7 +188,6 @@ class CommStragglerWatch:
         if len(minima) >= 3:
             verdict = vote_statistical(minima, rel_threshold=LINK_REL, abs_threshold=LINK_ABS_S)
             if verdict.status == "attributed":
-                self.groups.setdefault(probe.pg, _Group()).reported = True
                 median = statistics.median(minima.values())
                 findings = []
                 for r in verdict.outliers:
@@ -228,7 +248,6 @@ class CommStragglerWatch:
         slow = [(k, s) for k, s in pairs.items() if s > PAIR_FACTOR * median and s - median > LINK_ABS_S]
         if not slow or 2 * len(slow) >= len(pairs):
             return []
-        self.groups.setdefault(probe.pg, _Group()).reported = True
         return [
             Finding(
                 kind=STRAGGLER,
