@@ -510,8 +510,8 @@ def test_checkpoints_after_a_corruption_are_suspect_and_recovery_picks_one_befor
         assert cert["schema"] == 1, cert
         assert cert["status"] in ("certified", "suspect", "unverified"), cert
         assert isinstance(cert["trust"], dict), cert
-        # rank 0 saves to a temporary name and renames; the certificate names the file it was given
-        assert Path(cert["checkpoint"]).name.startswith(f"step-{step:06d}.pt"), cert
+        # rank 0 saves to a temporary name and renames it into place: the certificate follows the rename
+        assert Path(cert["checkpoint"]).name == f"step-{step:06d}.pt", cert
         assert cert["run_dir"] == str(result.run_path), cert
         if cert["status"] == "certified":
             assert cert["trust"]["suspect_since"] is None and cert["trust"]["verified_step"] >= 0, cert

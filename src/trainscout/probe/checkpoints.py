@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 
 from trainscout.channel.layout import trust_path
 
 CERT_SUFFIX = ".trainscout-cert.json"
 DIR_CERT_NAME = "trainscout-cert.json"
+MAX_FOLLOWED = 16  # recent checkpoints whose certificate follows a rename
 CERT_INDEX = "certificates.jsonl"  # in the run folder: where each certificate of the run was written
 
 
@@ -88,6 +90,10 @@ class CheckpointHooks:
         self.get_step = get_step
         self.on_error = on_error
         self.written: list[str] = []
+        # checkpoint path -> its certificate, for the newest few: a job that saves to a temporary name and
+        # renames it into place (so no reader sees half a file) has its certificate follow the rename
+        self._certified: dict[str, tuple[str, dict]] = {}
+        self._real_rename: dict[str, Callable] = {}
 
     def _after_save(self, target, how: str) -> None:
         try:
@@ -97,8 +103,56 @@ class CheckpointHooks:
                 if path:
                     self.written.append(path)
                     record_certificate(cert["run_dir"], path, cert)
+                    self._certified[os.path.abspath(os.fspath(target))] = (path, cert)
+                    while len(self._certified) > MAX_FOLLOWED:
+                        self._certified.pop(next(iter(self._certified)))
         except Exception as exc:
             self.on_error(f"checkpoint certificate not written: {exc!r}")
+
+    def wrap_renames(self, module=None) -> None:
+        """Wrap os.replace and os.rename (pathlib and shutil.move use them) so a certified checkpoint renamed
+        into place takes its certificate along; any other rename costs one dictionary lookup."""
+        for name in ("replace", "rename"):
+            real = getattr(os, name)
+            if getattr(real, "__trainscout__", False):
+                continue
+            self._real_rename[name] = real
+
+            def renamed(src, dst, *args, _real=real, **kwargs):
+                result = _real(src, dst, *args, **kwargs)
+                if self._certified and isinstance(src, (str, os.PathLike)) and isinstance(dst, (str, os.PathLike)):
+                    self._follow(os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst)))
+                return result
+
+            renamed.__wrapped__ = real  # type: ignore[attr-defined]
+            renamed.__trainscout__ = True  # type: ignore[attr-defined]
+            renamed.__doc__ = real.__doc__
+            setattr(os, name, renamed)
+
+    def _follow(self, src: str, dst: str) -> None:
+        entry = self._certified.pop(src, None)
+        if entry is None:
+            return
+        try:
+            old_cert, cert = entry
+            cert = {**cert, "checkpoint": dst}
+            if os.path.isdir(dst):  # the certificate moved inside the folder: only its content changes
+                new_cert = os.path.join(dst, DIR_CERT_NAME)
+            else:
+                new_cert = dst + CERT_SUFFIX
+            path = write_certificate(cert, dst)
+            if path is None:
+                return
+            if not os.path.isdir(dst) and old_cert != new_cert:
+                try:
+                    os.unlink(old_cert)
+                except OSError:
+                    pass
+            self.written.append(path)
+            record_certificate(cert["run_dir"], path, cert)
+            self._certified[dst] = (path, cert)
+        except Exception as exc:
+            self.on_error(f"checkpoint certificate not moved with its checkpoint: {exc!r}")
 
     def _timed(self, real, *args, **kwargs):
         """Call a saver and report its wall and CPU time (checkpoint-write stall timings)."""

@@ -192,6 +192,7 @@ class Probe:
         h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
         h.on_import("torch.utils.data.dataloader", self._guarded(self.timing.wrap_dataloader, "data-loader timing"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
+        h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_renames, "checkpoint hook"))
         h.on_import(
             "torch.distributed.checkpoint.state_dict_saver",
             self._guarded(self.checkpoints.wrap_dcp_save, "checkpoint hook"),
