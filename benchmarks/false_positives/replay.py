@@ -19,6 +19,7 @@ import os
 import sys
 
 from trainscout.detectors.numerics import NumericDetector
+from trainscout.faults.fault_log import read_fault_log
 from trainscout.detectors.straggler import StragglerDetector
 from trainscout.sinks.evidence_log import read
 
@@ -61,9 +62,7 @@ def replay(evidence_path: str, shared_gpu: bool = False) -> tuple[list[tuple], l
 def onset(run_dir: str) -> int | None:
     for path in (run_dir + ".faults.jsonl", os.path.join(run_dir, "faults.jsonl")):
         if os.path.exists(path):
-            with open(path) as fh:
-                steps = [json.loads(line).get("step") for line in fh if line.strip()]
-            steps = [s for s in steps if isinstance(s, int)]
+            steps = [r["step"] for r in read_fault_log(path)]
             if steps:
                 return min(steps)
     return None

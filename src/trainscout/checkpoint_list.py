@@ -40,11 +40,14 @@ def _late_findings(cert: dict) -> list[dict]:
     if not cert.get("run_dir") or not os.path.exists(path):
         return []
     out = []
-    with open(path) as fh:
+    with open(path, "rb") as fh:  # bytes: a line that is not UTF-8 fails in json.loads, one line, not the file
         for line in fh:
             try:
                 f = json.loads(line)
             except ValueError:
+                continue
+            # a line of another shape is no finding
+            if not isinstance(f, dict) or not isinstance(f.get("step"), (int, float, type(None))):
                 continue
             if f.get("kind") in INTEGRITY_KINDS and (f.get("step") or 0) <= cert.get("step", 0):
                 out.append(f)
@@ -65,8 +68,12 @@ def resolve_path(path: str) -> str:
 
 
 def judge(cert: dict) -> Entry:
-    status, reason = cert.get("status", "unverified"), cert.get("reason", "")
-    checkpoint = resolve_path(cert.get("checkpoint", "?"))
+    """The certificate judged again; ValueError or TypeError when it is not one (the caller lists it as
+    unreadable)."""
+    if not isinstance(cert, dict) or not isinstance(cert.get("step", 0), int) or isinstance(cert.get("step"), bool):
+        raise ValueError("not a trainscout certificate")
+    status, reason = str(cert.get("status", "unverified")), str(cert.get("reason", ""))
+    checkpoint = resolve_path(str(cert.get("checkpoint", "?")))  # a number would be taken for a file descriptor
     if not os.path.exists(checkpoint):
         reason = f"{reason} (checkpoint file missing)"
     late = _late_findings(cert)
@@ -82,7 +89,7 @@ def list_checkpoints(root: str) -> list[Entry]:
         try:
             with open(path) as fh:
                 entries.append(judge(json.load(fh)))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TypeError, OverflowError) as exc:
             entries.append(Entry(path, -1, 0.0, "unreadable", str(exc)))
     return sorted(entries, key=lambda e: (e.step, e.saved_at))
 

@@ -49,6 +49,15 @@ MAX_ERRORS_PER_DIGEST = 16  # a burst beyond this is counted, not listed
 
 
 GAP_GIVE_UP_S = 3.0
+_INT64 = 1 << 63
+
+
+def _int64(value: int) -> int:
+    """A number read from a record's text or a sidecar table; ValueError beyond 64 bits (what the wire carries):
+    what the probe wrote never is, a corrupted record may be."""
+    if not -_INT64 <= value < 2 * _INT64:
+        raise ValueError("number out of range")
+    return value
 
 
 class PgTrack:
@@ -93,7 +102,7 @@ class PgTrack:
             at = seq - self.records[0].seq  # chained records are consecutive unless a gap was given up on
             rec = (
                 self.records[at]
-                if self.records[at].seq == seq
+                if at < len(self.records) and self.records[at].seq == seq  # past a gap, `at` can overshoot
                 else next((r for r in reversed(self.records) if r.seq == seq), None)
             )
         if rec is not None and rec.native:
@@ -159,6 +168,8 @@ class RankView:
         self._evidence_version = -1
         self._numerics_out: list[NumericRecord] = []
         self._norm_parts: dict[int, tuple[float, np.ndarray, int]] = {}  # step -> (loss, norms, filled)
+        self.malformed = 0  # ring records whose text did not parse (a corrupted channel): dropped, counted
+        self._malformed_told = 0
 
     def refresh(self) -> None:
         if not self.reader.ready():
@@ -169,14 +180,17 @@ class RankView:
             try:
                 self._process = psutil.Process(self.pid)
                 self._process.cpu_percent(None)  # prime: the next call reports usage since now
-            except psutil.Error:
+            except (psutil.Error, ValueError, OverflowError):  # a corrupted header's pid (<= 0, > pid_t)
                 self._process = None
         if int(h["pg_table_version"]) != self._pg_table_version:
             self._load_pg_table(int(h["pg_table_version"]))
         # one C-level conversion of the whole batch: indexing numpy records field by field cost the
         # agent more than everything else it does per record
         for rec in self.reader.new_records().tolist():
-            self._ingest(Record._make(rec))
+            try:
+                self._ingest(Record._make(rec))
+            except ValueError:  # text that does not parse: not what the probe wrote, so not evidence
+                self.malformed += 1
         now = time.monotonic_ns()
         for track in self.pgs.values():
             track.check_gap(now)
@@ -189,15 +203,26 @@ class RankView:
                 doc = json.load(fh)
         except (OSError, ValueError):
             return
+        try:
+            index = {int(i): str(name) for name, i in doc.get("index", {}).items()}
+            groups = {
+                str(name): (str(info.get("desc", "")), [_int64(int(r)) for r in info.get("members", [])])
+                for name, info in doc.get("groups", {}).items()
+            }
+            roles = {
+                str(name): (str(r.get("role", "")), str(r.get("framework", "")))
+                for name, r in doc.get("roles", {}).items()
+                if r
+            }
+        except (AttributeError, TypeError, ValueError, OverflowError):  # another shape: keep the last good table
+            return
         self._pg_table_version = version
-        self._index_to_name = {int(i): name for name, i in doc.get("index", {}).items()}
+        self._index_to_name = index
         self.device = str(doc.get("device") or "")
-        for name, info in doc.get("groups", {}).items():
+        for name, (desc, members) in groups.items():
             track = self.pgs.setdefault(name, PgTrack(name))
-            track.desc = info.get("desc", "")
-            track.members = [int(r) for r in info.get("members", [])]
-            role = doc.get("roles", {}).get(name) or {}
-            track.role, track.framework = role.get("role", ""), role.get("framework", "")
+            track.desc, track.members = desc, members
+            track.role, track.framework = roles.get(name, ("", ""))
 
     def _ingest(self, rec) -> None:
         idx = rec.pg_index
@@ -218,7 +243,7 @@ class RankView:
                     layer=layer,
                     output=rec.entry_hash,
                     grads=rec.rolling_hash,
-                    params=int(params or "0", 16),
+                    params=_int64(int(params or "0", 16)),
                 )
             )
             return
@@ -267,15 +292,15 @@ class RankView:
             seconds = {}
             for part in filter(None, desc.split(",")):
                 peer, _, us = part.partition("=")
-                seconds[int(peer)] = int(us) / 1e6
+                seconds[_int64(int(peer))] = _int64(int(us)) / 1e6
             self._links_out.append(LinkRecord(request_id=rec.seq, step=rec.step, seconds=seconds))
             return
         times, _, groups = desc.partition("|")
-        us = [int(x) for x in times.split(":")] + [0, 0, 0, -1, -1, -1, 0]  # older probes send fewer fields
+        us = [_int64(int(x)) for x in times.split(":")] + [0, 0, 0, -1, -1, -1, 0]  # older probes send fewer fields
         pg_wait = {}
         for part in filter(None, groups.split(",")):
             name, _, t = part.rpartition("=")
-            pg_wait[name] = int(t) / 1e6
+            pg_wait[name] = _int64(int(t)) / 1e6
         self._steps_out.append(
             StepRecord(
                 step=rec.step,
@@ -323,8 +348,11 @@ class RankView:
                 doc = json.load(fh)
         except (OSError, ValueError):
             return
-        self._evidence_version = int(doc.get("version", -1))
-        self.numeric_layers = [str(x) for x in doc.get("layers", [])]
+        try:
+            version, layers = int(doc.get("version", -1)), [str(x) for x in doc.get("layers", [])]
+        except (AttributeError, TypeError, ValueError, OverflowError):  # a table of another shape: keep the last
+            return
+        self._evidence_version, self.numeric_layers = version, layers
 
     def take_numerics(self) -> list[NumericRecord]:
         out, self._numerics_out = self._numerics_out, []
@@ -334,12 +362,18 @@ class RankView:
         tid = rec.seq
         if tid >= len(self._tensor_names) or self._tensor_table_changed():
             self._load_tensor_table()
-        name = self._tensor_names[tid] if tid < len(self._tensor_names) else f"tensor#{tid}"
-        group = self._tensor_groups[tid] if tid < len(self._tensor_groups) else None
+        known = 0 <= tid  # a negative id would index the table from its end
+        name = self._tensor_names[tid] if known and tid < len(self._tensor_names) else f"tensor#{tid}"
+        group = self._tensor_groups[tid] if known and tid < len(self._tensor_groups) else None
         start, _, end = rec.desc.decode().partition(":")
         self._state_out.append(
             StateRecord(
-                step=rec.step, tensor=name, start=int(start), end=int(end), digest=rec.entry_hash, group=group or ""
+                step=rec.step,
+                tensor=str(name),
+                start=_int64(int(start)),
+                end=_int64(int(end)),
+                digest=rec.entry_hash,
+                group=str(group or ""),
             )
         )
 
@@ -364,12 +398,16 @@ class RankView:
                 doc = json.load(fh)
         except (OSError, ValueError):
             return
-        self._tensor_names = list(doc.get("tensors", []))
-        self._tensor_groups = list(doc.get("groups", []))
-        self.replica_group = doc.get("replica_group")
-        self.state_period = int(doc.get("period_steps", 0))
-        self.state_slots = int(doc.get("slots", 0))
-        self.replay_layers = list(doc.get("replay_layers", []))
+        try:
+            names, groups = [str(n) for n in doc.get("tensors", [])], list(doc.get("groups", []))
+            group = doc.get("replica_group")
+            period, slots = _int64(int(doc.get("period_steps", 0))), _int64(int(doc.get("slots", 0)))
+            layers = [str(x) for x in doc.get("replay_layers", [])]
+        except (AttributeError, TypeError, ValueError, OverflowError):  # a table of another shape: keep the last
+            return
+        self._tensor_names, self._tensor_groups = names, groups
+        self.replica_group = None if group is None else str(group)
+        self.state_period, self.state_slots, self.replay_layers = period, slots, layers
 
     def take_state(self) -> list[StateRecord]:
         out, self._state_out = self._state_out, []
@@ -465,6 +503,9 @@ class RankView:
         if self._errors_dropped:
             errors.append(f"{self._errors_dropped} more probe errors (not shown: too many at once)")
             self._errors_dropped = 0
+        if self.malformed > self._malformed_told:
+            errors.append(f"{self.malformed} channel records unreadable so far (corrupted shared memory?)")
+            self._malformed_told = self.malformed
         last = h["error_text"].decode(errors="replace")  # also errors written to the header only (publisher)
         if last and last not in errors:
             errors.append(last)  # the coordinator shows each (rank, error) once

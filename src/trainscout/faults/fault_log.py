@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 LOG_PREFIX = "trainscout-fault:"
 
 # A file path; when set, every fault that fires appends {"t", "rank", "kind", "step", "params"} as a JSON line.
@@ -53,3 +55,30 @@ def record(rank: int, kind: str, step: int, params: Mapping[str, Any]) -> None:
             os.close(fd)
     except Exception:
         pass
+
+
+class FaultRecord(msgspec.Struct):
+    """One line `record` wrote (params may hold anything JSON-able, NaN included: Python's json writes it)."""
+
+    t: float
+    rank: int
+    kind: str
+    step: int
+    params: dict = {}
+
+
+def read_fault_log(path: str) -> list[dict]:
+    """The fault log's records in order, as dicts. Every rank appends to the file and a fault can kill its
+    process mid-line, so a line that is not a record of this shape is skipped, never raised on."""
+    out = []
+    try:
+        with open(path, "rb") as fh:
+            for raw in fh:
+                try:
+                    doc = json.loads(raw)
+                    out.append(msgspec.structs.asdict(msgspec.convert(doc, FaultRecord)))
+                except (ValueError, msgspec.ValidationError):  # torn, not JSON, or not a record
+                    continue
+    except OSError:
+        pass
+    return out

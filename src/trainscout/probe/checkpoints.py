@@ -24,21 +24,27 @@ CERT_INDEX = "certificates.jsonl"  # in the run folder: where each certificate o
 
 
 def read_trust(run_id: str) -> dict:
+    """The coordinator's trust state as the agent wrote it; {} when absent or unreadable."""
     try:
         with open(trust_path(run_id)) as fh:
-            return json.load(fh)
+            doc = json.load(fh)
     except (OSError, ValueError):
         return {}
+    return doc if isinstance(doc, dict) else {}  # another JSON shape says nothing about trust
 
 
 def certificate(run_id: str, rank: int, step: int, target: str, how: str) -> dict:
     trust = read_trust(run_id)
+    verified = trust.get("verified_step", -1)
+    # only the shapes the coordinator writes can certify: a step that is not an integer, or a "clean" that is
+    # not true, leaves the checkpoint unverified
+    verified_ok = isinstance(verified, int) and not isinstance(verified, bool) and verified >= 0
     if not trust:
         status, reason = "unverified", "no trust state from the coordinator yet"
     elif trust.get("suspect_since") is not None:
         status = "suspect"
         reason = f"integrity finding at step {trust['suspect_since']} not resolved"
-    elif trust.get("verified_step", -1) >= 0 and trust.get("replay_rotation_clean", True):
+    elif verified_ok and trust.get("replay_rotation_clean", True) is True:
         status, reason = "certified", "every check agreed; state and replay rotations completed clean"
     else:
         status, reason = "unverified", "rotations not yet complete"

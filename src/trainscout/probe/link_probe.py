@@ -57,8 +57,13 @@ class LinkProbe:
     def read_request(self, requests: RequestFile, current_step: int) -> None:
         """Publisher thread: pick up a request the agent wrote, if this rank is probed."""
         doc = requests.take(current_step, lambda text: self.on_error(f"link probe {text}"))
-        if doc is not None and self.rank in [int(r) for r in doc.get("members", [])]:
-            self.request = {"id": int(doc["id"]), "step": int(doc["step"]), "members": [int(r) for r in doc["members"]]}
+        try:
+            members = [int(r) for r in doc.get("members", [])] if doc is not None else []
+        except (TypeError, ValueError, OverflowError):  # a member list of another shape: no partners to pair
+            self.on_error("link probe request with unreadable members")
+            return
+        if doc is not None and self.rank in members:
+            self.request = {"id": int(doc["id"]), "step": int(doc["step"]), "members": members}
 
     def due(self, step: int) -> bool:
         request = self.request

@@ -16,7 +16,8 @@ class RequestFile:
         self._done: set[int] = set()
 
     def take(self, current_step: int, on_missed) -> dict | None:
-        """The request if it is new and its step is still ahead; `on_missed(text)` when it came too late."""
+        """The request (a dict with an integer "id" and "step") if it is new and its step is still ahead;
+        None otherwise, and `on_missed(text)` when it came too late or could not be read."""
         try:
             mtime = os.stat(self.path).st_mtime_ns
         except OSError:
@@ -24,13 +25,17 @@ class RequestFile:
         if mtime == self._mtime:
             return None
         self._mtime = mtime
-        with open(self.path) as fh:
-            doc = json.load(fh)
-        rid = int(doc["id"])
+        try:
+            with open(self.path) as fh:
+                doc = json.load(fh)
+            rid, step = int(doc["id"]), int(doc["step"])
+        except (OSError, ValueError, TypeError, KeyError, OverflowError):  # not a request (another shape, torn)
+            on_missed(f"request file {self.path} unreadable")
+            return None
         if rid in self._done:
             return None
         self._done.add(rid)
-        if int(doc["step"]) <= current_step:
+        if step <= current_step:
             on_missed(f"request {rid} for step {doc['step']} missed (read at step {current_step})")
             return None
         return doc

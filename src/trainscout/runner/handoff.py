@@ -11,7 +11,6 @@ one a scheduler reads (README, "Exit status").
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -22,6 +21,7 @@ from collections.abc import Callable
 
 from trainscout.findings import Finding
 from trainscout.sinks import verdict
+from trainscout.sinks.jsonl import read_objects
 
 ON_FINDING_LOG = "on_finding.log"
 HOOK_TIMEOUT_S = 600.0  # a command still running after this long is killed: the next finding must get its turn
@@ -192,22 +192,28 @@ def attempt_lines(events: list[dict]) -> list[str]:
     when each began and how many findings the run had when it ended."""
     lines = []
     for e in events:
-        if e.get("kind") == "attempt_end":
-            lines.append(f"attempt {e.get('attempt')} ended; findings of the run so far: {e.get('findings')}")
-        elif e.get("kind") == "attempt":
-            when = time.strftime("%H:%M:%S", time.localtime(float(e.get("t", 0.0))))
-            lines.append(f"attempt {e.get('attempt')} began at {when} (elastic restart); its ranks judged afresh")
-        elif e.get("kind") == "repeat":
-            lines.append(
-                f"attempt {e.get('attempt')}: {e.get('finding_kind')} of rank(s) {e.get('culprits')} again, as named "
-                f"in attempt {e.get('first_attempt')} (not a new fault)"
-            )
+        try:
+            line = _attempt_line(e)
+        except (TypeError, ValueError, OverflowError, OSError):  # an event of another shape: nothing to say
+            continue
+        if line:
+            lines.append(line)
     return lines
 
 
+def _attempt_line(e: dict) -> str | None:
+    if e.get("kind") == "attempt_end":
+        return f"attempt {e.get('attempt')} ended; findings of the run so far: {e.get('findings')}"
+    if e.get("kind") == "attempt":
+        when = time.strftime("%H:%M:%S", time.localtime(float(e.get("t", 0.0))))
+        return f"attempt {e.get('attempt')} began at {when} (elastic restart); its ranks judged afresh"
+    if e.get("kind") == "repeat":
+        return (
+            f"attempt {e.get('attempt')}: {e.get('finding_kind')} of rank(s) {e.get('culprits')} again, as named "
+            f"in attempt {e.get('first_attempt')} (not a new fault)"
+        )
+    return None
+
+
 def attempt_lines_of(events_path: str) -> list[str]:
-    try:
-        with open(events_path) as fh:
-            return attempt_lines([json.loads(line) for line in fh if line.strip()])
-    except (OSError, ValueError):
-        return []
+    return attempt_lines(read_objects(events_path))  # a torn or foreign line is skipped, not the whole log

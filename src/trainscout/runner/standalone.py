@@ -41,7 +41,7 @@ class AgentPresence:
                 event = json.loads(line)
             except ValueError:
                 continue
-            if event.get("kind") in ("agent_hello", "agent_goodbye"):
+            if isinstance(event, dict) and event.get("kind") in ("agent_hello", "agent_goodbye"):
                 self.present[str(event.get("node"))] = event["kind"] == "agent_hello"
         return bool(self.present) and not any(self.present.values())
 

@@ -32,6 +32,7 @@ from trainscout.runner.live_exits import LiveExitReporter
 from trainscout.runner.restarts import RestartPolicy
 from trainscout.sinks import ConsoleSink, EventLog, probe_costs, report_html
 from trainscout.sinks.held_lines import FullFolderNotice, HeldLines
+from trainscout.sinks.jsonl import read_objects
 from trainscout.sinks.summary import write_summary_or_say
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
@@ -541,36 +542,35 @@ def monitoring_gap_lines(events_path: str) -> list[str]:
     findings" must also say when nobody was looking."""
     lines: list[str] = []
     lost_at: dict[str, float] = {}
-    try:
-        with open(events_path) as fh:
-            events = [json.loads(line) for line in fh if line.strip()]
-    except (OSError, ValueError):
-        return lines
 
     def clock(t: float) -> str:
         return time.strftime("%H:%M:%S", time.localtime(t))
 
-    for e in events:
-        kind, t = e.get("kind"), float(e.get("t", 0.0))
-        if kind == "agent_lost":
-            lost_at[str(e.get("node"))] = t
-        elif kind == "agent_back":
-            node = str(e.get("node"))
-            since = lost_at.pop(node, t - float(e.get("silent_s", 0.0)))
-            lines.append(
-                f"monitoring gap: the agent of {node} was silent from {clock(since)} to {clock(t)} "
-                f"({e.get('silent_s')} s without news); its ranks were not judged meanwhile"
-            )
-        elif kind == "coordinator_stalled":
-            lines.append(
-                f"monitoring gap: the coordinator did not run for {e.get('seconds')} s up to {clock(t)} "
-                "(stopped or starved of CPU); nothing was judged meanwhile"
-            )
-        elif kind == "coordinator_exit" and e.get("rejected"):
-            rejected = ", ".join(f"{n} {why}" for why, n in sorted(e["rejected"].items()))
-            lines.append(
-                f"input refused by the coordinator (connections without this job's key, bad frames): {rejected}"
-            )
+    for e in read_objects(events_path):  # a torn or foreign line is skipped, not the whole log
+        try:
+            kind, t = e.get("kind"), float(e.get("t", 0.0))
+            clock(t)  # a time that cannot be printed (NaN, beyond the calendar): the event is unusable
+            if kind == "agent_lost":
+                lost_at[str(e.get("node"))] = t
+            elif kind == "agent_back":
+                node = str(e.get("node"))
+                since = lost_at.pop(node, t - float(e.get("silent_s", 0.0)))
+                lines.append(
+                    f"monitoring gap: the agent of {node} was silent from {clock(since)} to {clock(t)} "
+                    f"({e.get('silent_s')} s without news); its ranks were not judged meanwhile"
+                )
+            elif kind == "coordinator_stalled":
+                lines.append(
+                    f"monitoring gap: the coordinator did not run for {e.get('seconds')} s up to {clock(t)} "
+                    "(stopped or starved of CPU); nothing was judged meanwhile"
+                )
+            elif kind == "coordinator_exit" and e.get("rejected"):
+                rejected = ", ".join(f"{n} {why}" for why, n in sorted(e["rejected"].items()))
+                lines.append(
+                    f"input refused by the coordinator (connections without this job's key, bad frames): {rejected}"
+                )
+        except (TypeError, ValueError, AttributeError, OverflowError, OSError):  # an event of another shape
+            continue
     for node, since in lost_at.items():
         lines.append(f"monitoring gap: the agent of {node} went silent at {clock(since)} and never reported again")
     return lines
@@ -581,5 +581,5 @@ def _topology_line(run_dir: str) -> str:
     try:
         with open(os.path.join(run_dir, "topology.json")) as fh:
             return str(json.load(fh)["line"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):  # TypeError: JSON of another shape
         return ""

@@ -60,26 +60,44 @@ def _num(x) -> float:
     return math.nan if x is None else float(x)
 
 
+class _Numeric(msgspec.Struct, array_like=True):
+    """NumericRecord as written. JSON has no NaN: msgspec wrote a non-finite loss or norm as null."""
+
+    step: int
+    loss: float | None
+    norms: list[float | None] = []  # absent in logs of older versions
+
+
+class _Line(msgspec.Struct):
+    """One line as `EvidenceLog.write` writes it."""
+
+    rank: int
+    steps: list[StepRecord] = []
+    numerics: list[_Numeric] = []
+    layers: list[str] | None = None
+
+
+_line_decoder = msgspec.json.Decoder(_Line)
+
+
 def read(path: str | os.PathLike) -> dict:
-    """{rank: {"steps": [StepRecord], "numerics": [NumericRecord], "layers": [...]}} from an evidence log."""
+    """{rank: {"steps": [StepRecord], "numerics": [NumericRecord], "layers": [...]}} from an evidence log.
+    A line of another shape (the torn last line of a log still being written, a hand edit) is skipped."""
     out: dict[int, dict] = {}
-    steps_type = msgspec.json.Decoder(list[StepRecord])
     with open(path, "rb") as fh:
         for raw in fh:
             if not raw.strip():
                 continue
-            doc = msgspec.json.decode(raw)
-            rank = int(doc["rank"])
-            entry = out.setdefault(rank, {"steps": [], "numerics": [], "layers": []})
-            if "steps" in doc:
-                entry["steps"].extend(steps_type.decode(msgspec.json.encode(doc["steps"])))
-            if "numerics" in doc:  # JSON has no NaN: msgspec wrote a non-finite loss or norm as null
-                entry["numerics"].extend(
-                    NumericRecord(
-                        step=int(row[0]), loss=_num(row[1]), norms=[_num(x) for x in row[2]] if len(row) > 2 else []
-                    )
-                    for row in doc["numerics"]
-                )
-            if "layers" in doc:
-                entry["layers"] = list(doc["layers"])
+            try:
+                line = _line_decoder.decode(raw)
+            except msgspec.DecodeError:  # ValidationError included: the types are checked before anything is kept
+                continue
+            entry = out.setdefault(line.rank, {"steps": [], "numerics": [], "layers": []})
+            entry["steps"].extend(line.steps)
+            entry["numerics"].extend(
+                NumericRecord(step=row.step, loss=_num(row.loss), norms=[_num(x) for x in row.norms])
+                for row in line.numerics
+            )
+            if line.layers is not None:
+                entry["layers"] = line.layers
     return out

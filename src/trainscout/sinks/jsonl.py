@@ -9,6 +9,7 @@ read them back with `findings.from_json`. The event log records what trainscout 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -68,6 +69,24 @@ def _plain(value: Any) -> Any:
         return msgspec.to_builtins(value)  # structs, dataclasses, enums, datetimes...
     except Exception:
         return str(value)
+
+
+def read_objects(path: str | os.PathLike) -> list[dict]:
+    """The JSON objects of a JSON-lines file, in order; [] when it cannot be read. A line that is not one (the
+    torn last line of a file still being written, a process killed mid-line, a hand edit) is skipped."""
+    rows = []
+    try:
+        with open(path, "rb") as fh:
+            for raw in fh:
+                try:
+                    doc = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(doc, dict):
+                    rows.append(doc)
+    except OSError:
+        pass
+    return rows
 
 
 class EventLog:

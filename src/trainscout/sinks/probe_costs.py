@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import statistics
 
@@ -35,9 +36,27 @@ def read_reports(run_dir: str) -> list[dict]:
                 doc = json.load(fh)
         except (OSError, ValueError):
             continue
-        if doc.get("steps", 0) > 1 and doc.get("step_wall_s", 0) > 0:
+        if _well_formed(doc) and doc["steps"] > 1 and doc["step_wall_s"] > 0:
             reports.append(doc)
     return reports
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _well_formed(doc) -> bool:
+    """A report as `Probe.costs` writes it: the summary divides and compares these numbers, so a report of
+    another shape (a hand edit, a file cut short then completed by another writer) is left out."""
+    if not isinstance(doc, dict) or not (_number(doc.get("steps")) and _number(doc.get("step_wall_s"))):
+        return False
+    for check in CHECKS:
+        figures = doc.get(check, {})
+        if not isinstance(figures, dict) or (check in doc and not _number(figures.get("seconds"))):
+            return False
+        if not all(_number(figures[k]) for k in ("period_steps", "stride", "layers") if k in figures):
+            return False
+    return True
 
 
 def per_step(reports: list[dict], check: str) -> tuple[list[float], list[float]]:
@@ -58,7 +77,7 @@ def summary_line(run_dir: str) -> str:
                 f"{check.replace('_', ' ')} {statistics.median(ms):.3f} ms/step "
                 f"({statistics.median(share):.2f} % of step time)"
             )
-    periods = [r["state_check"]["period_steps"] for r in reports if "state_check" in r]
+    periods = [r["state_check"]["period_steps"] for r in reports if "period_steps" in r.get("state_check", {})]
     if periods:
         parts.append(f"state coverage period {max(periods)} steps")
     strides = [r["nonfinite"]["stride"] for r in reports if "stride" in r.get("nonfinite", {})]

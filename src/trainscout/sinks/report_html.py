@@ -25,6 +25,7 @@ import msgspec
 
 from trainscout.findings import Finding, from_json
 from trainscout.sinks.console import detail_lines, headline, sorted_stacks
+from trainscout.sinks.jsonl import read_objects
 from trainscout.sinks.report_series import (
     CULPRIT_COLOURS,
     EVIDENCE_READ_BYTES,
@@ -65,21 +66,6 @@ class RunData:
     notes: list[str] = field(default_factory=list)
 
 
-def _jsonl(path: str) -> list[dict]:
-    """JSON lines of a file that may still be written to: a torn last line is skipped."""
-    rows = []
-    try:
-        with open(path, "rb") as fh:
-            for raw in fh:
-                try:
-                    rows.append(json.loads(raw))
-                except ValueError:
-                    continue
-    except OSError:
-        pass
-    return rows
-
-
 def _read_findings(path: str) -> list[Finding]:
     out = []
     try:
@@ -111,6 +97,11 @@ def _monitoring_notes(summary_path: str) -> list[str]:
     return notes
 
 
+def _is_number(value) -> bool:
+    """A wall-clock time the report can print (time.localtime refuses NaN and years beyond its range)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e11
+
+
 def load_run(run_dir: str | os.PathLike, max_evidence_bytes: int = EVIDENCE_READ_BYTES) -> RunData:
     run_dir = os.fspath(run_dir)
     data = RunData(run_id=os.path.basename(os.path.normpath(run_dir)))
@@ -118,13 +109,17 @@ def load_run(run_dir: str | os.PathLike, max_evidence_bytes: int = EVIDENCE_READ
     evidence_path = os.path.join(run_dir, "evidence.jsonl")
     if os.path.exists(evidence_path):
         data.evidence = read_evidence(evidence_path, max_evidence_bytes)
-    for event in _jsonl(os.path.join(run_dir, "events.supervisor.jsonl")):
+    for event in read_objects(os.path.join(run_dir, "events.supervisor.jsonl")):
+        # values of another type than the supervisor writes are left unknown: the report formats them
+        t = event.get("t") if _is_number(event.get("t")) else None
         if event.get("kind") == "start":
-            data.command = [str(a) for a in event.get("command") or []]
-            data.started = event.get("t")
+            command = event.get("command")
+            data.command = [str(a) for a in command] if isinstance(command, list) else []
+            data.started = t
         elif event.get("kind") == "launcher_exit":
-            data.exit_code = event.get("code")
-            data.ended = event.get("t")
+            code = event.get("code")
+            data.exit_code = code if isinstance(code, int) and not isinstance(code, bool) else None
+            data.ended = t
     try:
         with open(os.path.join(run_dir, "topology.json")) as fh:
             data.topology = str(json.load(fh).get("line", ""))
@@ -142,6 +137,8 @@ def _nice_ticks(lo: float, hi: float, count: int = 4) -> list[float]:
     if hi <= lo:
         return [lo]
     raw = (hi - lo) / count
+    if not (0 < raw < math.inf):  # values near the float limits (a diverged loss): the span overflows or vanishes
+        return [lo, hi]
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     first = math.ceil(lo / step) * step

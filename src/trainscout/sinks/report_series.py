@@ -83,7 +83,10 @@ def _decode(lines: list[bytes]) -> list[dict]:
             doc = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             continue  # the torn last line of a log still being written
-        if isinstance(doc, dict) and isinstance(doc.get("rank"), int):
+        rank = doc.get("rank") if isinstance(doc, dict) else None
+        # a rank beyond any job's (or a bool) is not a line the coordinator wrote; the (rank, step) keys below
+        # are int64 and a huge rank would wrap them
+        if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < 1 << 22:
             docs.append(doc)
     return docs
 
@@ -99,7 +102,8 @@ def _arrays(docs: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
     grad_at = np.array([(rank, r[0]) for rank, r in normed], dtype=np.float64).reshape(-1, 2)
     try:
         norms = np.array([r[2] for _, r in normed], dtype=np.float64).reshape(len(normed), -1)
-        grad = np.sqrt(np.square(norms).sum(axis=1))
+        with np.errstate(over="ignore"):  # norms near the float limit: the total norm is infinite, and drawn so
+            grad = np.sqrt(np.square(norms).sum(axis=1))
     except ValueError:  # the layer list changed within the batch: rows of different lengths
         grad = np.array([math.sqrt(sum(math.nan if x is None else x * x for x in r[2])) for _, r in normed])
     return {
@@ -108,6 +112,10 @@ def _arrays(docs: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
         "loss": (loss[:, 0], loss[:, 1], loss[:, 2]),
         "grad": (grad_at[:, 0], grad_at[:, 1], grad.reshape(-1)),
     }
+
+
+# what a line of another shape raises in _arrays (OverflowError: an integer beyond float range)
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError)
 
 
 def read_evidence(path: str | os.PathLike, max_bytes: int = EVIDENCE_READ_BYTES, batch: int = 4096) -> Evidence:
@@ -122,13 +130,13 @@ def read_evidence(path: str | os.PathLike, max_bytes: int = EVIDENCE_READ_BYTES,
             docs = _decode(lines[i : i + batch])
             try:
                 arrays = _arrays(docs)
-            except (KeyError, IndexError, TypeError, ValueError):  # a malformed line: decode them one by one
+            except _MALFORMED:  # a malformed line: decode them one by one
                 arrays = {}
                 for d in docs:
                     try:
                         for key, cols in _arrays([d]).items():
                             parts[key].append(cols)
-                    except (KeyError, IndexError, TypeError, ValueError):
+                    except _MALFORMED:
                         continue
             for key, cols in arrays.items():
                 parts[key].append(cols)

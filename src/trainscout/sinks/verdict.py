@@ -69,7 +69,7 @@ def recorded_certificates(run_dir: str) -> list[str]:
     """Paths of the certificates the ranks of this run wrote (one JSON line each in certificates.jsonl)."""
     out: list[str] = []
     try:
-        with open(os.path.join(run_dir, CERT_INDEX)) as fh:
+        with open(os.path.join(run_dir, CERT_INDEX), "rb") as fh:  # bytes: a non-UTF-8 line is skipped alone
             for line in fh:
                 try:
                     path = str(json.loads(line)["certificate"])
@@ -90,7 +90,7 @@ def trusted_checkpoint(run_dir: str) -> dict | None:
         try:
             with open(path) as fh:
                 entries.append(judge(json.load(fh)))
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError, OverflowError):  # not a certificate (see checkpoint_list.judge)
             continue
     pick = recovery_choice(sorted(entries, key=lambda e: (e.step, e.saved_at)))
     if pick is None:

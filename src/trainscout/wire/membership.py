@@ -17,7 +17,8 @@ def pack_members(members: Sequence[int]) -> list[tuple[int, int, int]]:
     ranks = sorted(set(map(int, members)))
     if len(ranks) >= 2:  # the usual case, one progression, checked at C speed (a world group of 100k ranks)
         stride = ranks[1] - ranks[0]
-        if ranks == list(range(ranks[0], ranks[-1] + 1, stride)):
+        # the span test first: a list spanning far more ranks than it holds would otherwise build that whole range
+        if ranks[-1] - ranks[0] == stride * (len(ranks) - 1) and ranks == list(range(ranks[0], ranks[-1] + 1, stride)):
             return [(ranks[0], stride, len(ranks))]
     runs: list[tuple[int, int, int]] = []
     i = 0
@@ -35,10 +36,12 @@ def pack_members(members: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def unpack_members(runs: Sequence[Sequence[int]]) -> list[int]:
-    """The sorted member list `pack_members` encoded; malformed runs (count < 1 or beyond MAX_RANKS, stride < 1)
-    are skipped."""
+    """The sorted member list `pack_members` encoded; malformed runs (count < 1 or beyond MAX_RANKS, stride < 1,
+    a negative first rank) are skipped, and expansion stops at MAX_RANKS members in all."""
     out: list[int] = []
     for first, stride, count in runs:
-        if 1 <= count <= MAX_RANKS and stride >= 1:
+        if 1 <= count <= MAX_RANKS and stride >= 1 and first >= 0:
+            # the bound is on the whole list: many runs each within MAX_RANKS would otherwise expand without limit
+            count = min(count, MAX_RANKS - len(out))
             out.extend(range(first, first + stride * count, stride))
     return sorted(set(out))
