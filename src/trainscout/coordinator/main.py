@@ -598,6 +598,8 @@ class Coordinator:
             with open(self.replay_request_file) as fh:
                 request = json.load(fh)
             os.unlink(self.replay_request_file)
+            if not isinstance(request, dict):  # `trainscout replay` writes an object; anything else is not ours
+                raise ValueError(f"not a request object: {type(request).__name__}")
         except (OSError, ValueError) as exc:
             self.console.warn(f"replay request unreadable: {exc}")
             try:
