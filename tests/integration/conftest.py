@@ -302,6 +302,13 @@ def run_demo(
     return run_job(args, tmp_path, run_id, timeout=timeout)
 
 
+@pytest.fixture(scope="session")
+def demo_hang(tmp_path_factory) -> JobResult:
+    """`trainscout demo --fault hang --rank 2 --step 20`, run once for the session: tests in several files
+    read what this one job left (its finding, its terminal, its report) and change none of it."""
+    return run_demo(tmp_path_factory.mktemp("demo-hang"), "demo-hang", fault="hang", rank=2, step=20, steps=100)
+
+
 def run_under_trainscout(
     tmp_path: Path,
     name: str,

@@ -47,11 +47,13 @@ def _assert_named_collective(finding: dict, result) -> int:
 
 
 @pytest.fixture(scope="module")
-def hang_job(tmp_path_factory):
-    """One demo job per (rank, step) hang, shared by the tests that read it."""
+def hang_job(tmp_path_factory, request):
+    """One demo job per (rank, step) hang, shared by the tests that read it (rank 2 at step 20: the session's)."""
     cache = {}
 
     def get(rank: int, step: int):
+        if (rank, step) == (2, 20):
+            return request.getfixturevalue("demo_hang")
         if (rank, step) not in cache:
             name = f"hang{rank}"
             cache[(rank, step)] = run_demo(
