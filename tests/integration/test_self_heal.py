@@ -60,14 +60,25 @@ def _evidence_bytes(job: Job) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-def _await_fresh_evidence(job: Job, timeout: float = 40.0) -> None:
-    """Until the coordinator logs a digest sent after this moment: the restarted tool is back in the path from
-    the ranks to the findings (a new agent reads and sends, a new coordinator hears from the agent)."""
+def _hello_of(job: Job, agent_pid: int) -> bool:
+    try:
+        events = read_jsonl(job.run_path / "events.jsonl")
+    except ValueError:  # the last line is being written
+        return False
+    return any(e["kind"] == "agent_hello" and e.get("pid") == agent_pid for e in events)
+
+
+def _await_back(job: Job, component: str, timeout: float = 40.0) -> None:
+    """Until the restarted tool is back in the path from the ranks to the findings: the coordinator logs a digest
+    sent after this moment and, for an agent, has its Hello (a coordinator killed before that loses it; a fixed
+    1.5 s wait here once did, under load)."""
+    restarts = [e for e in read_jsonl(job.run_path / "events.supervisor.jsonl") if e["kind"] == "tool_restarted"]
+    new_pid = [e["pid"] for e in restarts if e["component"] == component][-1]
     before = _evidence_bytes(job)
     deadline = time.monotonic() + timeout
-    while _evidence_bytes(job) <= before:
-        assert job.proc.poll() is None, f"the run ended before monitoring was back\n{job.output()[-4000:]}"
-        assert time.monotonic() < deadline, f"no evidence logged since the restart\n{job.output()[-4000:]}"
+    while _evidence_bytes(job) <= before or (component == "agent" and not _hello_of(job, new_pid)):
+        assert job.proc.poll() is None, f"the run ended before the {component} was back\n{job.output()[-4000:]}"
+        assert time.monotonic() < deadline, f"the restarted {component} is not heard\n{job.output()[-4000:]}"
         time.sleep(0.1)
 
 
@@ -112,7 +123,7 @@ def run_with_kills(jobs, tmp_path: Path, kills_each: int, hang_step: int, steps:
     for _ in range(kills_each):
         for component in ("agent", "coordinator"):
             _kill_and_await_restart(job, component)
-            _await_fresh_evidence(job)  # the new one works before the next kill
+            _await_back(job, component)  # the new one works before the next kill
     assert not fault_log.exists() or "hang" not in fault_log.read_text(), (
         "the hang fired before the last kill: it must begin after them (raise hang_step)\n" + job.output()[-3000:]
     )
