@@ -302,6 +302,13 @@ def run_demo(
     return run_job(args, tmp_path, run_id, timeout=timeout)
 
 
+@pytest.fixture(scope="session")
+def demo_hang(tmp_path_factory) -> JobResult:
+    """`trainscout demo --fault hang --rank 2 --step 20`, run once for the session: tests in several files
+    read what this one job left (its finding, its terminal, its report) and change none of it."""
+    return run_demo(tmp_path_factory.mktemp("demo-hang"), "demo-hang", fault="hang", rank=2, step=20, steps=100)
+
+
 def run_under_trainscout(
     tmp_path: Path,
     name: str,
@@ -324,6 +331,34 @@ def demo_with_fault(tmp_path: Path, name: str, inject: str, steps: int, *script_
         "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", str(steps)
     )
     return run_under_trainscout(tmp_path, name, [*launch, *script_args], options=("--inject", inject))
+
+
+def start_demo_with_fault(jobs, tmp_path: Path, name: str, inject: str, steps: int, *script_args: str) -> Job:
+    """demo_with_fault's job, started through the `jobs` fixture and left running (see stop_once_found)."""
+    run_id = unique_run_id(name)
+    launch = torchrun_cmd(
+        "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", str(steps)
+    )
+    args = trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain")
+    return jobs([*args, "--inject", inject, "--", *launch, *script_args], tmp_path, run_id)
+
+
+def stop_once_found(job: Job, enough, timeout: float = JOB_TIMEOUT_S) -> JobResult:
+    """Once findings.jsonl holds what `enough(findings)` waits for, Ctrl-C the job as a user would; its result.
+
+    For jobs that must be long enough for a slow machine to reach a finding but would then train on for
+    nothing: a culprit was named, so `trainscout run` exits 3 (0 if the job ended by itself first)."""
+    path = job.run_path / "findings.jsonl"
+    while job.proc.poll() is None and time.monotonic() - job.started < timeout:
+        try:
+            found = read_jsonl(path)
+        except ValueError:  # the last line is being written
+            found = []
+        if enough(found):
+            job.proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.2)
+    return job.wait(timeout)
 
 
 def of_kind(findings: list[dict], kind: str) -> list[dict]:

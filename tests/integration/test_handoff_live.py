@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, free_port, of_kind, run_demo, run_under_trainscout, torchrun_cmd
+from conftest import PY, free_port, of_kind, run_under_trainscout, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -92,8 +92,8 @@ def test_a_failed_job_with_nobody_named_exits_4(tmp_path):
     assert not (result.run_path / "verdict.json").exists()
 
 
-def test_the_demo_hang_keeps_the_teardown_tracebacks_off_the_terminal(tmp_path):
-    result = run_demo(tmp_path, "quiet", fault="hang", rank=2, step=20, steps=100)
+def test_the_demo_hang_keeps_the_teardown_tracebacks_off_the_terminal(demo_hang):
+    result = demo_hang
 
     assert result.returncode == 0, result.describe()
     assert [f["kind"] for f in result.findings] == ["hang"], result.describe()

@@ -1,9 +1,9 @@
 """The visual report of a real run, opened in a real headless browser.
 
-A real 4-rank demo job hangs on rank 2; the run's end writes report.html, `trainscout report RUN --html`
-rewrites it, and Debian's Chromium loads it: the page's script records how many charts have every line (or
-bar) drawn with real geometry, and the DOM Chromium dumps must show all of them. CI installs Chromium
-(.ci/run); without any Chromium binary the browser part is skipped.
+A real 4-rank demo job hangs on rank 2 (the session's `demo_hang`); the run's end writes report.html,
+`trainscout report RUN --html` rewrites it (in a copy of the run), and Debian's Chromium loads it: the page's
+script records how many charts have every line (or bar) drawn with real geometry, and the DOM Chromium dumps
+must show all of them. CI installs Chromium (.ci/run); without any Chromium binary the browser part is skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from conftest import run_demo, trainscout_cmd
+from conftest import trainscout_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -65,17 +65,17 @@ def dump_dom(browser: str, page, profile) -> _Dom:
     return dom
 
 
-def test_report_of_a_real_hang_draws_every_chart_in_chromium(tmp_path):
-    result = run_demo(tmp_path, "report-html", fault="hang", rank=2, step=20, steps=60)
+def test_report_of_a_real_hang_draws_every_chart_in_chromium(demo_hang, tmp_path):
+    result = demo_hang
     hangs = [f for f in result.findings if f["kind"] == "hang"]
     assert [f["culprit_ranks"] for f in hangs] == [[2]], result.describe()
-    report = result.run_path / "report.html"
-    assert report.exists(), "the run's end writes report.html\n" + result.describe()
+    assert (result.run_path / "report.html").exists(), "the run's end writes report.html\n" + result.describe()
 
+    run = tmp_path / result.run_path.name  # a copy: the job is the session's, other tests read it too
+    shutil.copytree(result.run_path, run)
+    report = run / "report.html"
     report.unlink()
-    out = subprocess.run(
-        trainscout_cmd("report", str(result.run_path), "--html"), capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run(trainscout_cmd("report", str(run), "--html"), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(report) and report.exists()
     text = report.read_text(encoding="utf-8")
