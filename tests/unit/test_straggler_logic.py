@@ -7,7 +7,7 @@ import random
 import statistics
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from trainscout.consensus import vote_against_peers, vote_statistical
@@ -338,6 +338,7 @@ def test_round_robin_meets_every_pair_once(n):
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.floats(min_value=1e-6, max_value=10.0), min_size=3, max_size=9), st.sampled_from([0.09, 0.2, 0.5]))
+@example([0.5, 1 / 3, 1 / 3], 0.5)  # 0.5 <= 1.5 x (1/3) in floats, yet the vote's ratio 0.5 / (1/3) rounds above 1.5
 def test_a_vote_skipped_as_unable_to_flag_would_have_flagged_nobody(values, rel):
     samples = dict(enumerate(values))
     if _may_stand_out(samples, rel):

@@ -553,7 +553,8 @@ def _may_stand_out(values: dict[int, float], rel: float) -> bool:
     centre (the class median, or its peers') is at least the smallest value, and the largest value is within
     `rel` of it. Most steps of a healthy job end here. Non-finite or non-positive values go to the vote."""
     lo, hi = min(values.values()), max(values.values())
-    return not (lo > 0 and hi <= (1 + rel) * lo)
+    # a hair under the bound: at exactly (1 + rel) x, the vote's own ratio (hi / lo) can round above it
+    return not (lo > 0 and hi <= (1 + rel) * lo * (1 - 1e-9))
 
 
 class _SlidingMedian:
