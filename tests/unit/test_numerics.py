@@ -144,3 +144,19 @@ def test_results_that_never_come_release_the_finding_at_the_deadline():
     assert c.resolve(5.0, {}, {}, {}) == []
     (f,) = c.resolve(100.0, {}, {}, {})
     assert f.evidence["confirmation"]["outcome"] == "unconfirmed"
+
+
+def test_an_unreproduced_persistent_norm_deviation_is_logged_not_named():
+    from trainscout.coordinator import confirmation
+    from trainscout.detectors.numerics import NumericSuspect
+
+    def judged(statistic: str, pattern: str, outcome: str):
+        f = confirmation.numeric_finding(NumericSuspect(2, 100, statistic, pattern, layer="head", ratio=2.0, z=9.0))
+        f.evidence["confirmation"] = {"outcome": outcome}
+        return confirmation.is_observation(f)
+
+    # a rank's batches alone moved its norms 1.8-2.2x for 4 of 5 steps, twice in a 1-hour clean run
+    assert judged("grad_norm", "persistent", "transient") and judged("grad_norm", "persistent", "unconfirmed")
+    assert not judged("grad_norm", "persistent", "reproduced")  # a layer computing wrong: named
+    assert not judged("loss", "persistent", "transient")  # a forward gone wrong moves the loss
+    assert not judged("grad_norm", "spike", "transient")  # one step far beyond what batches do: named

@@ -320,7 +320,7 @@ class Coordinator:
             # that detector's place in the judging order (root causes before their consequences)
             if detector.name == self._confirms_after:
                 for f in self._confirm(now):
-                    self.emit(f, now)
+                    self._emit_confirmed(f, now)
         self._flush_due(now)
         self._publish_trust(now)
         self._track_topology()
@@ -539,6 +539,15 @@ class Coordinator:
             self.state.step_clean if self.state else {},
             self.state.outliers_at if self.state else {},
         )
+
+    def _emit_confirmed(self, f: Finding, now: float) -> None:
+        """A numerical finding back from its confirmation: named, or only logged (confirmation.is_observation)."""
+        if confirmation.is_observation(f):
+            self.events.write(
+                "numeric_deviation_not_reproduced", rank=f.culprit_ranks[0], step=f.step, summary=f.summary
+            )
+            return
+        self.emit(f, now)
 
     def _schedule_link_probe(self, now: float, ask: LinkProbe) -> None:
         """Collectives of `pg` slowed on every member: have the members time exchanges with each other at a
@@ -873,7 +882,7 @@ class Coordinator:
             pf.deadline = now
         self._flush_due(now)
         for f in self.confirmations.abandon():
-            self.emit(f, now)
+            self._emit_confirmed(f, now)
         counters: dict = {}
         for detector in self.detectors:
             closing = detector.close()
