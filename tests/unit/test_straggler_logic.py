@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
-from trainscout.detectors.straggler import StragglerDetector, _may_stand_out, _SlidingMedian
+from trainscout.detectors.straggler import FINE_M, FINE_WINDOW, StragglerDetector, _may_stand_out, _SlidingMedian
 from trainscout.probe.link_probe import round_robin
 from trainscout.wire.messages import LinkRecord, StepRecord
 
@@ -41,11 +41,20 @@ def _feed(det, steps, world, cpu, wait=lambda r, s: 0.003, gpu=None, gpu_wait=No
     return found
 
 
-def test_ten_percent_straggler_is_named_by_the_fine_tier():
+def test_twelve_percent_straggler_is_named_by_the_fine_tier():
+    # (10 % with 8 % per-step noise sits at the threshold: named in about a third of the steps, not 96 of 128)
     det = StragglerDetector()
-    found = _feed(det, range(1, 240), WORLD, lambda r, s: 0.02 * (1.1 if r == 1 and s > 20 else 1.0))
+    found = _feed(det, range(1, 360), WORLD, lambda r, s: 0.02 * (1.12 if r == 1 and s > 20 else 1.0))
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([1], "compute")]
     assert 1.05 < found[0].evidence["ratio"] < 1.15 and "fine" in found[0].evidence["basis"]
+    assert found[0].step <= 20 + FINE_WINDOW + FINE_M
+
+
+def test_a_busy_machine_episode_is_not_a_fine_tier_straggler():
+    # A 1-hour clean run at load 18: rank 3 used 1.15x its peers' CPU for about 100 steps, then was back.
+    det = StragglerDetector()
+    slow = lambda r, s: 0.02 * (1.17 if r == 3 and 1000 <= s < 1100 else 1.0)  # noqa: E731
+    assert _feed(det, range(1, 1400), WORLD, slow) == []
 
 
 @pytest.mark.parametrize("seed", range(5))
