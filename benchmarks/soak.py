@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "minutes": args.minutes,
         "wall_s": round(wall, 1),
         "exit": proc.returncode,
-        "findings": [(f.get("kind"), f.get("culprits")) for f in findings],
+        "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings],
         "load1_before": round(load_before[0], 2),
         "load1_median": sorted(s["load1"] for s in samples)[len(samples) // 2] if samples else None,
         "shm_left_after_exit": len(leftover_shm),
