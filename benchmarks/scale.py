@@ -234,7 +234,7 @@ def simulate(args: argparse.Namespace) -> int:
         poller.register(s, zmq.POLLIN)
     sock_node = {s: n for n, s in zip(nodes, socks)}
 
-    t0, step_s, interval = args.t0, args.step_s, args.interval
+    t0, step_s, interval = args.t0 or 0.0, args.step_s, args.interval
     frozen = None
     onset = args.onset_step
     fault = Fault(args.fault, args.culprit, onset, step_s, t0, args.seed)
@@ -455,6 +455,12 @@ def simulate(args: argparse.Namespace) -> int:
     launcher_node = fault.culprit // RANKS_PER_NODE if fault.kind == "crash" else -1
     launcher_sent = False
     decoder = msgspec.msgpack.Decoder(Command)
+    if args.t0_file:  # connected and set up: say so, and take the job's start from the driver once all are
+        Path(args.stats + ".ready").write_text("")
+        while not Path(args.t0_file).exists():
+            time.sleep(0.02)
+        t0 = float(Path(args.t0_file).read_text())  # the closures above read t0 and fault when called
+        fault = Fault(args.fault, args.culprit, onset, step_s, t0, args.seed)
     end = t0 + args.seconds
     k = 0
     while time.time() < end:
@@ -613,7 +619,7 @@ def run_once(args: argparse.Namespace) -> dict:
         time.sleep(0.05)
     address = addr_file.read_text()
     culprit = random.Random(args.seed).randrange(world) if args.fault != "none" else -1
-    t0 = time.time() + 2.0 + nodes / 4000  # the simulators connect their sockets first
+    t0_file = run_dir / "t0"
     onset_step = int(args.onset_s / args.step_s)
     procs = []
     per = (nodes + args.procs - 1) // args.procs
@@ -631,8 +637,8 @@ def run_once(args: argparse.Namespace) -> dict:
             str(a),
             "--node-to",
             str(b),
-            "--t0",
-            repr(t0),
+            "--t0-file",
+            str(t0_file),
             "--seconds",
             str(args.seconds),
             "--step-s",
@@ -653,6 +659,15 @@ def run_once(args: argparse.Namespace) -> dict:
         if args.legacy_members:
             cmd.append("--legacy-members")
         procs.append(subprocess.Popen(cmd, env=env))
+    # the job starts once every simulator connected its sockets (a loaded machine takes seconds to start them)
+    ready = [Path(str(run_dir / f"sim{p}.json") + ".ready") for p in range(len(procs))]
+    while not all(r.exists() for r in ready):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a simulator ended before it was ready (run folder {run_dir})")
+        time.sleep(0.05)
+    t0 = time.time() + 1.0
+    (run_dir / "t0.tmp").write_text(repr(t0))
+    (run_dir / "t0.tmp").rename(t0_file)
     proc = psutil.Process(coord.pid)
     rss_max = 0
     cpu_start = None
@@ -743,6 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-from", type=int, help=argparse.SUPPRESS)
     p.add_argument("--node-to", type=int, help=argparse.SUPPRESS)
     p.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--t0-file", help=argparse.SUPPRESS)
     p.add_argument("--culprit", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--onset-step", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--stats", help=argparse.SUPPRESS)
