@@ -51,7 +51,11 @@ QUESTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "scale": {
         "coordinator": (
             "benchmarks.scale",
-            "the real coordinator fed by simulated node agents, 1k-100k ranks: pass time, RSS, digest bytes, hang",
+            "the real coordinator fed by simulated node agents, 1k-100k ranks: pass time, RSS, digest bytes, a fault",
+        ),
+        "faults": (
+            "benchmarks.scale_matrix",
+            "hang, desync, crash, straggler, SDC at a random rank, and clean runs, per scale and layout: exact?",
         ),
         "node": (
             "benchmarks.scale_node",
@@ -91,6 +95,9 @@ QUICK: dict[tuple[str, str], list[str]] = {
     ("throughput", "fingerprint"): ["--sizes-mib", "1", "16", "--reps", "2", "--no-record"],
     ("soak", "run"): ["--minutes", "2", "--warmup-minutes", "0.5", "--every", "10", "--no-record"],
     ("scale", "node"): ["--seconds", "10", "--no-baseline", "--no-record"],
+    ("scale", "faults"): [
+        *("--scales", "64", "--step-s", "0.25", "--onset-s", "6", "--after-s", "8", "--procs", "1", "--no-record"),
+    ],
 }
 
 

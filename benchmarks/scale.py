@@ -4,17 +4,21 @@ The coordinator is trainscout's own (`trainscout.coordinator.main.Coordinator` o
 HMAC-signed msgspec frames); only the nodes are simulated. Simulator processes each speak for many nodes, one
 DEALER socket and identity per node as a real agent has, and send one `NodeDigest` per node per interval, built
 from the same wire structs the agent fills: per rank its process groups' sequence numbers, rolling hashes,
-anchors and last records, and its step timings. Simulated ranks advance steps on a shared wall clock and issue
+anchors and last records, its step timings and its replicated-state fingerprints; they answer the coordinator's
+commands (stacks, records of a group) as an agent does. Simulated ranks advance steps on a shared wall clock and issue
 their groups' collectives stage by stage (tensor-parallel all-reduces, pipeline sends, the data-parallel
 gradient all-reduce), so every member of a group agrees, as in a healthy job.
 
-A hang is a rank that stops before its next collective: its group peers enter that collective and wait, the
-ranks depending on those wait in turn (computed as the fixed point of who can still complete a collective), so
-the coordinator sees the frozen job a real one would show. The harness reports the detection pass time, the
-coordinator's CPU and memory, the digest bytes per node per second, and when (and whom) the coordinator named.
+`--fault` strikes a seeded random rank with a hang, a crash, a desync, a straggler or an SDC, each showing only
+the evidence a real rank sends (benchmarks/scale_faults.py). A hang is a rank that stops before its next
+collective: its group peers enter that collective and wait, the ranks depending on those wait in turn (computed
+as the fixed point of who can still complete a collective), so the coordinator sees the frozen job a real one
+would show. The harness reports the detection pass time, the coordinator's CPU and memory, the digest bytes per
+node per second, and when (and whom) the coordinator named. `python -m benchmarks scale faults` runs every fault
+at several scales (benchmarks/scale_matrix.py).
 
-    python benchmarks/scale.py --layout 8x16x784 --seconds 40 --fault hang     # TP 8 x PP 16 x DP 784
-    python benchmarks/scale.py --layout dp:1024 --seconds 30                    # pure data parallel
+    python -m benchmarks scale coordinator --layout 8x16x784 --seconds 40 --fault hang   # TP 8 x PP 16 x DP 784
+    python -m benchmarks scale coordinator --layout dp:1024 --seconds 30 --fault sdc      # pure data parallel
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import scale_faults  # noqa: E402
+from scale_faults import FAULTS, Fault  # noqa: E402
 
 RANKS_PER_NODE = 8
 MASK64 = (1 << 64) - 1
 ANCHOR_EVERY = 16
+KEEP_RECORDS = 4096  # records an agent keeps of each rank's group (agent/rank_view.py)
 
 
 # ---- the job's layout -------------------------------------------------------------------------------------
@@ -191,11 +198,14 @@ def simulate(args: argparse.Namespace) -> int:
         Command,
         GroupInfo,
         Hello,
+        LauncherReport,
         NodeDigest,
         PgState,
+        RankExit,
         RankState,
         RecordsReport,
         StackReport,
+        StateRecord,
         StepRecord,
     )
     from trainscout.wire.security import secure_client
@@ -224,14 +234,18 @@ def simulate(args: argparse.Namespace) -> int:
         poller.register(s, zmq.POLLIN)
     sock_node = {s: n for n, s in zip(nodes, socks)}
 
-    t0, step_s, interval = args.t0, args.step_s, args.interval
+    t0, step_s, interval = args.t0 or 0.0, args.step_s, args.interval
     frozen = None
     onset = args.onset_step
-    if args.culprit >= 0:
+    fault = Fault(args.fault, args.culprit, onset, step_s, t0, args.seed)
+    data_i = len(stages) - 1  # the data-parallel gradient all-reduce (the world group's, in pure DP)
+    data_of = stages[data_i].group_of  # rank -> its replica group (the model shard it holds)
+    if fault.freezes and args.culprit >= 0:
         seqs_at, when_at = frozen_positions(stages, world, args.culprit, onset)
         frozen = (seqs_at.T.tolist(), when_at.tolist())
     # every rank's groups, in the order torch creates them (world first)
     rank_groups: dict[int, list[tuple[int, str, list[int]]]] = {}
+    replica_group: dict[int, str] = {}  # rank -> the group of its data-parallel replicas (equal replicated state)
     member_lists: dict[str, list[int]] = {}  # one list per group, shared by its local members
     for n in nodes:
         for r in range(n * RANKS_PER_NODE, min(world, (n + 1) * RANKS_PER_NODE)):
@@ -247,6 +261,7 @@ def simulate(args: argparse.Namespace) -> int:
                     member_lists[name] = list(st.members[g])
                 gs.append((i, name, member_lists[name]))
             rank_groups[r] = gs
+            replica_group[r] = group_name(stages[data_i], names, int(data_of[r]))
     packed: dict[str, list[tuple[int, int, int]]] = {}
     sent_groups: set[int] = set()  # nodes whose memberships went out (membership sent once)
     rec_cache: dict[tuple[int, int], CollectiveRecord] = {}
@@ -258,18 +273,19 @@ def simulate(args: argparse.Namespace) -> int:
 
     def position(r: int, now: float) -> tuple[int, list[int], float]:
         """(completed steps, seq per stage, seconds since the rank last issued anything)."""
-        el = max(0.0, now - t0) / step_s
+        el = fault.elapsed_steps(now)
         j, f = int(el), el - int(el)
         if frozen is not None and el >= onset + frozen[1][r]:
             seqs = frozen[0][r]
             done = min(s // st.per_step for s, st in zip(seqs, stages))
             return done, seqs, (el - onset - frozen[1][r]) * step_s
+        length = fault.step_length(j + 1)
         seqs = []
         n = len(stages)
         for i, st in enumerate(stages):
             part = min(1.0, max(0.0, f * n - i))
             seqs.append(j * st.per_step + int(part * st.per_step + 1e-9) if part < 1.0 else (j + 1) * st.per_step)
-        return j, seqs, (f * step_s) % (step_s / (n * 4))
+        return j, seqs, (f * length) % (length / (n * 4))
 
     def record(i: int, seq: int, step: int) -> CollectiveRecord:
         key = (i, seq)
@@ -281,6 +297,22 @@ def simulate(args: argparse.Namespace) -> int:
             )
             rec_cache[key] = rec
         return rec
+
+    def own_record(r: int, i: int, seq: int, step: int) -> CollectiveRecord:
+        """Rank r's record of collective `seq` of its stage-i group: the shared one, but for a desync's culprit."""
+        rec = record(i, seq, step)
+        odd, carried = fault.deviates(r, i == data_i, seq, stages[i].per_step)
+        if not carried:
+            return rec
+        return CollectiveRecord(
+            seq,
+            rec.op,
+            scale_faults.DESYNC_DESC if odd else rec.desc,
+            rec.entry_hash ^ scale_faults.DESYNC_SALT if odd else rec.entry_hash,
+            rec.rolling_hash ^ scale_faults.DESYNC_SALT,
+            rec.wall_ns,
+            rec.step,
+        )
 
     hist_cache: dict[tuple[int, int], tuple[list, list, int]] = {}
 
@@ -297,13 +329,27 @@ def simulate(args: argparse.Namespace) -> int:
             hist_cache[(i, seq)] = got
         return got
 
+    def own_history(r: int, i: int, kind: str, seq: int, done: int) -> tuple[list, list, int]:
+        """A desync's culprit's history of its data-parallel group: its own rolling hashes from the deviation on."""
+        anchors, recent, rolling_hash = history(i, kind, seq, done)
+        if i != data_i or not fault.deviates(r, True, seq, stages[i].per_step)[1]:
+            return anchors, recent, rolling_hash
+        salted = [
+            (a, h ^ scale_faults.DESYNC_SALT) if fault.deviates(r, True, a, stages[i].per_step)[1] else (a, h)
+            for a, h in anchors
+        ]
+        return salted, [own_record(r, i, rec.seq, rec.step) for rec in recent], rolling_hash ^ scale_faults.DESYNC_SALT
+
     def rank_state(r: int, now: float, world_members: bool) -> RankState:
         done, seqs, quiet = position(r, now)
         pgs = []
+        culprit = r == fault.culprit
         for i, name, members in rank_groups[r]:
             seq = 1 if i < 0 else seqs[i]
             kind = "world" if i < 0 else stages[i].kind
-            anchors, recent, rolling_hash = history(i, kind, seq, done)
+            anchors, recent, rolling_hash = (own_history if culprit else lambda _r, *a: history(*a))(
+                r, i, kind, seq, done
+            )
             pgs.append(
                 PgState(
                     name=name,
@@ -319,30 +365,49 @@ def simulate(args: argparse.Namespace) -> int:
                 )
             )
         prev = last_step.get(r, done)
-        steps = [
-            StepRecord(
-                step=s + 1,
-                wall_s=step_s * (1 + 0.01 * rng.random()),
-                cpu_s=0.55 * step_s,
-                data_s=0.02 * step_s,
-                ckpt_s=0.0,
-                wait_s=0.3 * step_s,
+        steps = []
+        state = []
+        for s in range(max(prev, done - 8), done):
+            wall, compute, wait = fault.step_split(r, s + 1)
+            steps.append(
+                StepRecord(
+                    step=s + 1,
+                    wall_s=wall + 0.01 * step_s * rng.random(),
+                    cpu_s=compute,
+                    data_s=scale_faults.DATA * step_s,
+                    ckpt_s=0.0,
+                    wait_s=wait,
+                )
             )
-            for s in range(prev, done)
-        ][-8:]
+            # the replicated-state rotation: after each optimizer step, one slot, fingerprinted
+            state.append(
+                StateRecord(
+                    step=s + 1,
+                    tensor=f"layers.{(s + 1) % scale_faults.STATE_SLOTS}.weight",
+                    start=0,
+                    end=scale_faults.STATE_BYTES,
+                    digest=fault.state_digest(r, int(data_of[r]), s + 1),
+                )
+            )
         last_step[r] = done
+        ended = fault.exit_of(r, now, RANKS_PER_NODE)
         return RankState(
             rank=r,
             local_rank=r % RANKS_PER_NODE,
             world_size=world,
             pid=200000 + r,
-            alive=True,
+            alive=ended is None,
             step=done,
             heartbeat_age_s=0.05,
             progress_age_s=quiet,
             collectives=sum(seqs),
             pgs=pgs,
+            exit=None if ended is None else RankExit(ended[0], ended[1], ended[2], ended[3], done, ended[4]),
             steps=steps,
+            replica_group=replica_group[r],
+            state=state,
+            state_period=scale_faults.STATE_SLOTS,
+            state_slots=scale_faults.STATE_SLOTS,
         )
 
     def answer(s, cmd: Command) -> None:
@@ -361,17 +426,41 @@ def simulate(args: argparse.Namespace) -> int:
                         )
                     )
                 )
-        elif cmd.kind == "fetch_records":
+        elif cmd.kind == "fetch_records":  # as an agent answers from the records it keeps of each rank
             for r in cmd.ranks:
                 s.send_multipart(
                     codec.encode(
-                        RecordsReport(node_id=f"node-{n:05d}", request_id=cmd.request_id, rank=r, pg=cmd.pg, records=[])
+                        RecordsReport(
+                            node_id=f"node-{n:05d}",
+                            request_id=cmd.request_id,
+                            rank=r,
+                            pg=cmd.pg,
+                            records=kept_records(r, cmd.pg, cmd.seq_from, cmd.seq_to),
+                        )
                     )
                 )
         elif cmd.kind == "send_groups":
             sent_groups.discard(n)
 
+    def kept_records(r: int, pg: str, seq_from: int, seq_to: int) -> list[CollectiveRecord]:
+        stage = next((i for i, name, _ in rank_groups.get(r, []) if name == pg and i >= 0), None)
+        if stage is None:
+            return []
+        done, seqs, _ = position(r, time.time())
+        top = min(seq_to, seqs[stage])
+        first = max(seq_from, top - KEEP_RECORDS + 1, 1)
+        per = stages[stage].per_step
+        return [own_record(r, stage, q, (q - 1) // per) for q in range(first, top + 1)]
+
+    launcher_node = fault.culprit // RANKS_PER_NODE if fault.kind == "crash" else -1
+    launcher_sent = False
     decoder = msgspec.msgpack.Decoder(Command)
+    if args.t0_file:  # connected and set up: say so, and take the job's start from the driver once all are
+        Path(args.stats + ".ready").write_text("")
+        while not Path(args.t0_file).exists():
+            time.sleep(0.02)
+        t0 = float(Path(args.t0_file).read_text())  # the closures above read t0 and fault when called
+        fault = Fault(args.fault, args.culprit, onset, step_s, t0, args.seed)
     end = t0 + args.seconds
     k = 0
     while time.time() < end:
@@ -395,6 +484,19 @@ def simulate(args: argparse.Namespace) -> int:
                 ]
             digest = NodeDigest(node_id=f"node-{n:05d}", host=f"host-{n:05d}", number=k + 1, ranks=ranks, groups=groups)
             frames = codec.encode(digest)
+            if n == launcher_node and not launcher_sent and now >= fault.onset_wall + scale_faults.TEARDOWN_S + 0.5:
+                # the culprit's launcher (torchrun) printed its failed workers; the node's supervisor reports them
+                s.send_multipart(
+                    codec.encode(
+                        LauncherReport(
+                            node_id=f"node-{n:05d}",
+                            exit_code=0,
+                            worker_exits=fault.launcher_exits(RANKS_PER_NODE, world),
+                            final=False,
+                        )
+                    )
+                )
+                launcher_sent = True
             try:
                 s.send_multipart(frames, zmq.NOBLOCK)
                 sent_groups.add(n)
@@ -479,7 +581,9 @@ def serve_coordinator(args: argparse.Namespace) -> int:
         coord.stop = True
 
     signal.signal(signal.SIGTERM, stop)
-    (run_dir / "coordinator.addr").write_text(endpoint.address)
+    # written whole, then renamed: the driver polls for the file and must never read it half-written
+    (run_dir / "coordinator.addr.tmp").write_text(endpoint.address)
+    (run_dir / "coordinator.addr.tmp").rename(run_dir / "coordinator.addr")
     try:
         coord.run()
     finally:
@@ -500,7 +604,7 @@ def run_once(args: argparse.Namespace) -> dict:
     layout = Layout.parse(args.layout)
     world = layout.world
     nodes = (world + RANKS_PER_NODE - 1) // RANKS_PER_NODE
-    run_dir = Path(tempfile.mkdtemp(prefix="trainscout-scale-"))
+    run_dir = Path(tempfile.mkdtemp(prefix="trainscout-scale-", dir=args.runs_under))
     env = dict(os.environ, TRAINSCOUT_SECRET=secrets.token_hex(32))
     me = [sys.executable, __file__]
     coord = subprocess.Popen(
@@ -514,8 +618,8 @@ def run_once(args: argparse.Namespace) -> dict:
     while not addr_file.exists():
         time.sleep(0.05)
     address = addr_file.read_text()
-    culprit = random.Random(args.seed).randrange(world) if args.fault == "hang" else -1
-    t0 = time.time() + 2.0 + nodes / 4000  # the simulators connect their sockets first
+    culprit = random.Random(args.seed).randrange(world) if args.fault != "none" else -1
+    t0_file = run_dir / "t0"
     onset_step = int(args.onset_s / args.step_s)
     procs = []
     per = (nodes + args.procs - 1) // args.procs
@@ -533,8 +637,8 @@ def run_once(args: argparse.Namespace) -> dict:
             str(a),
             "--node-to",
             str(b),
-            "--t0",
-            repr(t0),
+            "--t0-file",
+            str(t0_file),
             "--seconds",
             str(args.seconds),
             "--step-s",
@@ -545,12 +649,25 @@ def run_once(args: argparse.Namespace) -> dict:
             str(culprit),
             "--onset-step",
             str(onset_step),
+            "--fault",
+            args.fault,
+            "--seed",
+            str(args.seed),
             "--stats",
             str(run_dir / f"sim{p}.json"),
         ]
         if args.legacy_members:
             cmd.append("--legacy-members")
         procs.append(subprocess.Popen(cmd, env=env))
+    # the job starts once every simulator connected its sockets (a loaded machine takes seconds to start them)
+    ready = [Path(str(run_dir / f"sim{p}.json") + ".ready") for p in range(len(procs))]
+    while not all(r.exists() for r in ready):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a simulator ended before it was ready (run folder {run_dir})")
+        time.sleep(0.05)
+    t0 = time.time() + 1.0
+    (run_dir / "t0.tmp").write_text(repr(t0))
+    (run_dir / "t0.tmp").rename(t0_file)
     proc = psutil.Process(coord.pid)
     rss_max = 0
     cpu_start = None
@@ -575,7 +692,9 @@ def run_once(args: argparse.Namespace) -> dict:
         else []
     )
     onset_wall = t0 + onset_step * args.step_s
-    hang = next((f for f in findings if f["kind"] == "hang"), None)
+    expected = scale_faults.expected_kind(args.fault)
+    named = next((f for f in findings if f["kind"] == expected), None)
+    others = [f for f in findings if f is not named]
     out = {
         "layout": layout.label(),
         "ranks": world,
@@ -599,20 +718,28 @@ def run_once(args: argparse.Namespace) -> dict:
             for f in findings
         ],
         "load1_after": _common.load1(),
-        "hang_named_after_s": round(hang["confirmed"] - onset_wall, 2) if hang else None,
-        "hang_exact": bool(hang and hang["culprit_ranks"] == [culprit]),
+        "fault": args.fault,
+        "named_after_s": round(named["confirmed"] - onset_wall, 2) if named else None,
+        "named_summary": named["summary"][:300] if named else None,
+        # exact: the fault's kind, its culprit and no other rank, and no other finding (none at all if clean)
+        "exact": (named is not None and named["culprit_ranks"] == [culprit] and not others)
+        if expected
+        else not findings,
+        "other_findings": len(others),
         "run_dir": str(run_dir),
     }
     return out
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", default="8x16x8", help="TPxPPxDP, or dp:N for pure data parallel")
     p.add_argument("--seconds", type=float, default=30.0, help="how long the simulated job runs")
     p.add_argument("--step-s", type=float, default=1.0, help="seconds per training step")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between a node's digests (agent default)")
-    p.add_argument("--fault", choices=["none", "hang"], default="none")
+    p.add_argument(
+        "--fault", choices=FAULTS, default="none", help="what strikes a random rank (benchmarks/scale_faults.py)"
+    )
     # a hang is judged on each rank's last digest: with digests rarer than the timeout, some show a rank
     # before the job froze, so the timeout must exceed the interval (true at the defaults, 5 s and 1 s)
     p.add_argument("--hang-timeout", type=float, default=5.0, help="the coordinator's hang timeout (default 5 s)")
@@ -622,6 +749,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--legacy-members", action="store_true", help="every digest carries every group's members")
     p.add_argument("--profile", action="store_true", help="profile the detection passes (detect.prof)")
+    p.add_argument("--runs-under", default=None, help="make the run folder in this folder (default: the temp dir)")
     # internal modes
     p.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--serve-coordinator", action="store_true", help=argparse.SUPPRESS)
@@ -630,10 +758,15 @@ def main() -> int:
     p.add_argument("--node-from", type=int, help=argparse.SUPPRESS)
     p.add_argument("--node-to", type=int, help=argparse.SUPPRESS)
     p.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--t0-file", help=argparse.SUPPRESS)
     p.add_argument("--culprit", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--onset-step", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--stats", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.simulate:
         return simulate(args)
     if args.serve_coordinator:

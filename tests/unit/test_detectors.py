@@ -162,6 +162,38 @@ def test_hang_names_the_root_not_the_ranks_that_wait_for_it_in_another_group():
     assert s.stack_ranks == [1]
 
 
+def _tp2_dp3(exit_of_1=None, tp_seq_1=8) -> dict[int, RankObs]:
+    """TP 2 x DP 3 stopped where rank 1 stopped: its TP peer 0 waits in their TP all-reduce #9 (so never reaches
+    DP all-reduce #3), ranks 2..5 went on to DP all-reduce #3 and wait there."""
+    tp = {0: "t0", 1: "t0", 2: "t1", 3: "t1", 4: "t2", 5: "t2"}
+    dp = {0: "d0", 2: "d0", 4: "d0", 1: "d1", 3: "d1", 5: "d1"}
+    tp_seq = {0: 9, 1: tp_seq_1, 2: 12, 3: 12, 4: 12, 5: 12}
+    dp_seq = {0: 2, 1: 2, 2: 3, 3: 3, 4: 3, 5: 3}
+    members = {"t0": [0, 1], "t1": [2, 3], "t2": [4, 5], "d0": [0, 2, 4], "d1": [1, 3, 5]}
+    return {
+        r: obs(
+            r,
+            [pg(tp_seq[r], name=tp[r], members=members[tp[r]]), pg(dp_seq[r], name=dp[r], members=members[dp[r]])],
+            progress_age=6.0,
+            exit=exit_of_1 if r == 1 else None,
+        )
+        for r in range(6)
+    }
+
+
+def test_no_hang_blamed_on_the_peers_of_a_rank_that_exited():
+    """Rank 1 crashed where the hang above stopped: its TP peer 0 is behind in DP group d0 and waits on nobody
+    alive, but on rank 1, which has exited. The crash is the cause (the exit detector names it), not rank 0."""
+    crashed = RankExit(how="exception", code=1, signal=None, message="RuntimeError: boom", step=2, age_s=3.0)
+    assert HangDetector(hang_timeout_s=5.0).update(100.0, _tp2_dp3(crashed)) == []
+    # the same picture with rank 1 alive and stuck is still its hang
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, _tp2_dp3())
+    assert (s.finding.kind, s.finding.culprit_ranks) == ("hang", [1])
+    # a rank that exited after entering the collective its peer waits in explains nothing: rank 0 is named
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, _tp2_dp3(crashed, tp_seq_1=9))
+    assert s.finding.culprit_ranks == [0]
+
+
 # ---- desync -------------------------------------------------------------------------------------------
 
 

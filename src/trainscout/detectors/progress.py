@@ -61,7 +61,10 @@ class HangDetector(DetectorBase):
         ahead: dict[int, list[tuple[str, int]]] = {}
         unattributed: list[tuple[str, dict[int, int]]] = []
         waiting: set[int] = set()  # ranks inside a collective some member of its group has not entered
-        for name, _members, seqs in _groups(live):
+        on_exited: set[int] = set()  # ... that a member which has exited never entered
+        for name, _members, seqs, exited_seq in _groups(ranks, live):
+            if exited_seq is not None:
+                on_exited.update(r for r, s in seqs.items() if s > exited_seq)
             lowest = min(seqs.values())
             if max(seqs.values()) == lowest:
                 continue
@@ -85,9 +88,13 @@ class HangDetector(DetectorBase):
         # A rank behind in one group because it waits in another (a tensor-parallel peer of the culprit never
         # reaches the data-parallel all-reduce) is not a cause: the causes are the ranks behind that wait in
         # nothing. If every rank behind also waits somewhere (a cycle, or a rank in the wrong group), all stay.
-        roots = {r: v for r, v in behind.items() if r not in waiting}
+        roots = {r: v for r, v in behind.items() if r not in waiting and r not in on_exited}
         if roots:
             behind = roots
+        elif on_exited and all(r in waiting or r in on_exited for r in behind) and not unattributed:
+            # Every rank behind waits, in the end, for a rank that has exited (peers blocked in a collective a
+            # crashed rank never joins): the exit is the cause, and the exit detector names it.
+            return []
         if behind:
             return [Suspect(self._blame(now, live, behind, ahead, quiet), sorted(behind))]
         return [Suspect(self._inconclusive(now, live, unattributed, ahead, quiet), sorted(live))]
@@ -186,17 +193,25 @@ class HangDetector(DetectorBase):
         )
 
 
-def _groups(live: dict[int, RankObs]):
-    """(pg name, members, {member: seq}) for every group with at least two live reporting members."""
+def _groups(ranks: dict[int, RankObs], live: dict[int, RankObs]):
+    """(pg name, members, {live member: seq}, the lowest seq of a member that has exited or None) for every group
+    with at least two live reporting members, or one and a member that has exited."""
     names: dict[str, list[int]] = {}
     for o in live.values():
         for pg in o.state.pgs:
             if pg.members and pg.name not in names:
                 names[pg.name] = pg.members
+    everyone_live = len(live) == len(ranks)
     for name, members in names.items():
         seqs = {r: _seq(live[r], name) for r in members if r in live}
-        if len(seqs) >= 2:
-            yield name, members, seqs
+        exited = None
+        if not everyone_live and seqs:  # (a group whose only live member waits on the exited one counts too)
+            exited = min(
+                (_seq(ranks[r], name) for r in members if r not in live and r in ranks and ranks[r].state.exit),
+                default=None,
+            )
+        if len(seqs) >= 2 or exited is not None:
+            yield name, members, seqs, exited
 
 
 def _seq(o: RankObs, name: str) -> int:
