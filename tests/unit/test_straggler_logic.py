@@ -271,20 +271,7 @@ def test_compute_straggler_does_not_trigger_a_link_probe():
 
 
 def test_slow_transport_triggers_a_link_probe_of_the_group():
-    det = StragglerDetector()
-    requests = []
-    rng = random.Random(1)
-    for s in range(1, 60):
-        for r in WORLD:
-            w = 0.003 * (1 + rng.uniform(-0.2, 0.2)) + (0.02 if s > 30 else 0.0)
-            det.add(
-                r, [StepRecord(step=s, wall_s=0.05, cpu_s=0.02, data_s=0, ckpt_s=0, wait_s=w, pg_wait={"0": w})], 0.0
-            )
-        assert det.update(0.0, set(WORLD)) == []
-        req = det.comm.take_request()
-        if req:
-            requests.append((s, req))
-            det.comm.scheduled(7, req[0], req[1], s + 10, req[2], req[3], 0.0)
+    requests = _rising_waits_seen_on(list(WORLD), None, with_steps=True)
     assert len(requests) == 1
     step, (pg, members, before, now) = requests[0]
     assert pg == "0" and members == [0, 1, 2, 3] and 30 < step <= 40 and now > 5 * before
@@ -383,22 +370,23 @@ def test_a_pair_slow_from_one_end_only_is_not_a_slow_link():
     assert _judge(results) == []
 
 
-def _rising_waits_seen_on(seen: list[int], members: dict[str, list[int]] | None):
-    """Ranks `seen` report (the others unseen: their agent restarting); their waits rise because they wait for
-    the unseen ones. Returns the link probes the detector asks for."""
+def _rising_waits_seen_on(seen: list[int], members: dict[str, list[int]] | None, with_steps: bool = False):
+    """Ranks `seen` report (the others unseen: their agent restarting); their waits rise from step 31 because
+    they wait for the unseen ones (or the transport slowed). Returns the link probes the detector asks for
+    (with the step each was asked at); no finding may come meanwhile."""
     det = StragglerDetector()
     requests = []
-    rng = random.Random(2)
+    rng = random.Random(1)
     for s in range(1, 60):
         for r in seen:
             w = 0.003 * (1 + rng.uniform(-0.2, 0.2)) + (0.02 if s > 30 else 0.0)
             det.add(
                 r, [StepRecord(step=s, wall_s=0.05, cpu_s=0.02, data_s=0, ckpt_s=0, wait_s=w, pg_wait={"0": w})], 0.0
             )
-        det.update(0.0, set(seen), members)
+        assert det.update(0.0, set(seen), members) == []
         req = det.comm.take_request()
         if req:
-            requests.append(req)
+            requests.append((s, req) if with_steps else req)
             det.comm.scheduled(7, req[0], req[1], s + 10, req[2], req[3], 0.0)
     return requests
 
