@@ -188,6 +188,7 @@ def _run(args, command: list[str], on_done=None) -> int:
     """`trainscout run`; on_done(exit status, findings) may replace the job's exit status (the demo's verdict)."""
     from trainscout.faults.spec import parse_faults
     from trainscout.runner.handoff import exit_meaning, exit_status
+    from trainscout.channel.layout import claim_run_id, release_run_id
     from trainscout.runner.supervisor import RunOptions, Supervisor, live_ranks, run_dir_of
 
     if not command:
@@ -274,8 +275,20 @@ def _run(args, command: list[str], on_done=None) -> int:
                 file=sys.stderr,
             )
             return 2
-    supervisor = Supervisor(opts)
-    status = supervisor.run()
+        holder = claim_run_id(args.run_id)
+        if holder is not None:
+            print(
+                f"trainscout: run id {args.run_id!r} is in use by a job starting on this host (trainscout pid "
+                f"{holder}): choose another --run-id",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        supervisor = Supervisor(opts)
+        status = supervisor.run()
+    finally:
+        if args.run_id:  # an interrupt before the supervisor's own clean-up must not leave the claim behind
+            release_run_id(args.run_id)
     if on_done is not None:
         return on_done(status, supervisor.findings)
     final = exit_status(status, supervisor.findings, supervisor.interrupted_by, cfg.run.exit_status)

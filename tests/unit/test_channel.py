@@ -85,3 +85,33 @@ def test_every_probe_error_reaches_the_digest_in_order_and_a_burst_is_counted():
         writer.close()
         view.reader.close()
         os.unlink(writer.path)  # the channel lives in /dev/shm: a test must not leave it behind
+
+
+def test_a_run_id_is_claimed_by_one_live_process_at_a_time():
+    import subprocess
+    import sys
+
+    from trainscout.channel.layout import claim_run_id, remove_run_files
+
+    run_id = f"chtest-{uuid.uuid4().hex[:8]}"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from trainscout.channel.layout import claim_run_id as c; "
+            "print(c(sys.argv[1]), flush=True); time.sleep(30)",
+            run_id,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "None"  # it claimed the id
+        assert claim_run_id(run_id) == holder.pid  # a second run of the same id is told who holds it
+        holder.kill()
+        holder.wait()
+        assert claim_run_id(run_id) is None  # a claim whose process is gone is taken over
+        assert claim_run_id(run_id) is None  # and the holder itself may ask again
+    finally:
+        holder.kill()
+        assert remove_run_files(run_id) == 1  # the claim is a run file: the run's clean-up removes it

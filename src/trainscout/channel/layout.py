@@ -133,6 +133,62 @@ def list_channels(run_id: str) -> dict[int, str]:
     return found
 
 
+def claim_run_id(run_id: str) -> int | None:
+    """Claim a run id on this host for this process, atomically: None once claimed (or where there is no
+    shared memory to guard), else the pid of the live process that holds it. Two runs started in the same
+    second both found no live ranks under the id and shared one set of channels; the claim file (created
+    with O_EXCL) lets only one of them start. It is a run file, so the run's clean-up removes it."""
+    path = os.path.join(SHM_DIR, channel_prefix(run_id) + "claim")
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = _claim_holder(path)
+            if holder is not None and holder != os.getpid():
+                return holder
+            try:  # a claim left by a process that is gone (killed before its clean-up)
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        except OSError:
+            return None
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
+        return None
+    return None
+
+
+def release_run_id(run_id: str) -> None:
+    """Give up this process's claim on a run id (the run's clean-up usually removed it already)."""
+    path = os.path.join(SHM_DIR, channel_prefix(run_id) + "claim")
+    if _claim_holder(path) == os.getpid():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _claim_holder(path: str) -> int | None:
+    """The pid in a claim file if that process is alive; None for a stale or unreadable claim."""
+    try:
+        with open(path) as fh:
+            pid = int(fh.read().strip() or "0")
+    except (OSError, ValueError):
+        return None  # (a claim being written this instant reads empty: the next try sees its pid)
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:
+        pass  # alive, another user's
+    return pid
+
+
 def remove_run_files(run_id: str) -> int:
     """Delete every shared-memory file of a run; returns how many were removed."""
     prefix = channel_prefix(run_id)
