@@ -275,19 +275,20 @@ def _run(args, command: list[str], on_done=None) -> int:
                 file=sys.stderr,
             )
             return 2
-        holder = claim_run_id(args.run_id)
-        if holder is not None:
-            print(
-                f"trainscout: run id {args.run_id!r} is in use by a job starting on this host (trainscout pid "
-                f"{holder}): choose another --run-id",
-                file=sys.stderr,
-            )
-            return 2
-    try:
+    try:  # claimed inside the try: an interrupt at any moment from here leaves no claim behind
+        if args.run_id:
+            holder = claim_run_id(args.run_id)
+            if holder is not None:
+                print(
+                    f"trainscout: run id {args.run_id!r} is in use by a job starting on this host (trainscout pid "
+                    f"{holder}): choose another --run-id",
+                    file=sys.stderr,
+                )
+                return 2
         supervisor = Supervisor(opts)
         status = supervisor.run()
     finally:
-        if args.run_id:  # an interrupt before the supervisor's own clean-up must not leave the claim behind
+        if args.run_id:  # (the supervisor's clean-up removed it already, unless it never got that far)
             release_run_id(args.run_id)
     if on_done is not None:
         return on_done(status, supervisor.findings)
