@@ -350,7 +350,10 @@ def test_every_blind_stretch_is_in_the_summary(chaos_run):
     # each restarted tool died by the test's hand only
     assert set(run.tools) <= {"agent", "coordinator"}, run.tools
     assert all(code == -signal.SIGKILL for codes in run.tools.values() for code in codes), run.tools
-    assert run.proxy.stats.reset >= 1 and run.proxy.stats.accepted >= 2, run.proxy.stats
+    # the drop cut the link: it reset the connection it found, or (a loaded machine: the agent was between
+    # connections then) refused the new ones
+    stats = run.proxy.stats
+    assert (stats.reset >= 1 or stats.refused >= 1) and stats.accepted >= 2, stats
 
 
 def test_a_full_run_folder_costs_no_process_and_no_finding(chaos_run):
