@@ -70,15 +70,12 @@ class FaultRecord(msgspec.Struct):
 def read_fault_log(path: str) -> list[dict]:
     """The fault log's records in order, as dicts. Every rank appends to the file and a fault can kill its
     process mid-line, so a line that is not a record of this shape is skipped, never raised on."""
+    from trainscout.sinks.jsonl import read_objects  # here: ranks write the log and need none of the sinks
+
     out = []
-    try:
-        with open(path, "rb") as fh:
-            for raw in fh:
-                try:
-                    doc = json.loads(raw)
-                    out.append(msgspec.structs.asdict(msgspec.convert(doc, FaultRecord)))
-                except (ValueError, msgspec.ValidationError):  # torn, not JSON, or not a record
-                    continue
-    except OSError:
-        pass
+    for doc in read_objects(path):  # (torn or non-JSON lines are skipped there)
+        try:
+            out.append(msgspec.structs.asdict(msgspec.convert(doc, FaultRecord)))
+        except msgspec.ValidationError:  # JSON, but not a record
+            continue
     return out
