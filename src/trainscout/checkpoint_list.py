@@ -72,7 +72,9 @@ def judge(cert: dict) -> Entry:
     unreadable)."""
     if not isinstance(cert, dict) or not isinstance(cert.get("step", 0), int) or isinstance(cert.get("step"), bool):
         raise ValueError("not a trainscout certificate")
-    status, reason = str(cert.get("status", "unverified")), str(cert.get("reason", ""))
+    status, reason = cert.get("status", "unverified"), str(cert.get("reason", ""))
+    if status not in ("certified", "suspect", "unverified"):  # (a null or unknown status certifies nothing)
+        raise ValueError(f"not a certificate status: {status!r}")
     checkpoint = resolve_path(str(cert.get("checkpoint", "?")))  # a number would be taken for a file descriptor
     if not os.path.exists(checkpoint):
         reason = f"{reason} (checkpoint file missing)"

@@ -16,30 +16,35 @@ from conftest import demo_with_fault, start_demo_with_fault, stop_once_found
 pytestmark = pytest.mark.slow
 
 
+def _stragglers_in(findings: list[dict], kind: str) -> list[dict]:
+    return [f for f in findings if f["kind"] == "straggler" and f.get("evidence", {}).get("type") == kind]
+
+
 def _stragglers(result, kind: str) -> list[dict]:
-    return [f for f in result.findings if f["kind"] == "straggler" and f["evidence"].get("type") == kind]
+    return _stragglers_in(result.findings, kind)
 
 
-def test_compute_straggler_is_named_with_its_slowdown_and_not_as_communication(tmp_path):
-    result = demo_with_fault(tmp_path, "compute", "straggle:rank=2:step=20:factor=0.3", 90)
-    assert result.returncode == 0, result.describe()
+def test_compute_straggler_is_named_with_its_slowdown_and_not_as_communication(jobs, tmp_path):
+    # 250 steps leave a loaded machine's fine tier (96 of 128 steps) room; the job is stopped once it is named
+    job = start_demo_with_fault(jobs, tmp_path, "compute", "straggle:rank=2:step=20:factor=0.3", 250)
+    result = stop_once_found(job, lambda found: bool(_stragglers_in(found, "compute")))
+    assert result.returncode in (0, 3), result.describe()
     (f,) = _stragglers(result, "compute")
     assert f["culprit_ranks"] == [2] and f["status"] == "attributed", result.describe()
     # the fault burns 0.3x the CPU its rank measured per step before it fired, which a loaded machine inflates
-    assert 1.15 < f["evidence"]["ratio"] < 2.5, result.describe()
-    # named well before the end (the mid tier names 1.2-1.6x in ~33 steps; `python -m benchmarks latency
-    # stragglers` measures)
-    assert f["step"] <= 20 + 60, result.describe()
+    assert 1.1 < f["evidence"]["ratio"] < 2.5, result.describe()
+    # the mid tier names 1.2-1.6x in ~33 steps (`python -m benchmarks latency stragglers` measures); where a
+    # loaded machine shrinks the measured ratio under 1.2x, the fine tier's 128-step window names it
+    assert f["step"] <= 20 + 160, result.describe()
     assert not _stragglers(result, "communication"), result.describe()
     assert [x["kind"] for x in result.findings] == ["straggler"], result.describe()
 
 
 def test_communication_straggler_is_named_with_its_group_and_not_as_compute(jobs, tmp_path):
-    # 200 steps leave a loaded machine time to name it; the job is stopped (Ctrl-C: exit 3) once it is named
-    job = start_demo_with_fault(jobs, tmp_path, "comm", "commslow:rank=1:step=25:ms=20", 200)
-    result = stop_once_found(
-        job, lambda found: any(f.get("evidence", {}).get("type") == "communication" for f in found)
-    )
+    # naming takes two link probes that agree, each a few seconds of training ahead: 300 steps leave a loaded
+    # machine time for both; the job is stopped (Ctrl-C: exit 3) once it is named
+    job = start_demo_with_fault(jobs, tmp_path, "comm", "commslow:rank=1:step=25:ms=20", 300)
+    result = stop_once_found(job, lambda found: bool(_stragglers_in(found, "communication")))
     assert result.returncode in (0, 3), result.describe()
     (f,) = _stragglers(result, "communication")
     assert f["culprit_ranks"] == [1] and f["status"] == "attributed", result.describe()

@@ -144,7 +144,7 @@ class Coordinator:
         self.replay_request_file = os.path.join(run_dir, REPLAY_REQUEST)
         self._step_history: deque = deque(maxlen=64)  # (monotonic s, highest step of any rank)
         self._top_step = 0
-        self._step_walls: deque = deque(maxlen=64)  # recent steps' wall seconds, any rank (the rate at start-up)
+        self._step_walls: deque = deque(maxlen=64)  # recent steps' wall seconds, any rank (the current step rate)
         self.rank_node: dict[int, bytes] = {}
         self.nodes: dict[bytes, dict] = {}
         self.launcher_codes: dict[int, int] = {}
@@ -552,7 +552,9 @@ class Coordinator:
     def _schedule_link_probe(self, now: float, ask: LinkProbe) -> None:
         """Collectives of `pg` slowed on every member: have the members time exchanges with each other at a
         step far enough ahead that every probe has read the request (see probe/link_probe.py)."""
-        step, rate = self._step_ahead(now)
+        # as far ahead as a confirmation's checks: a probe's request has the same path to travel, and a
+        # communication straggler is named only after two probes agree
+        step, rate = self._step_ahead(now, confirmation.LEAD_S, lead_steps=3)
         if step is None or not self.step_commands.links_sound(self.nodes, now):
             return  # (asked again while the slowdown lasts)
         rid = next(self.request_ids)
@@ -582,16 +584,18 @@ class Coordinator:
         """A step a few seconds of training ahead of where the ranks are now, and the recent step rate.
 
         The furthest step known is a digest old (up to an agent interval, plus the coordinator's own
-        tick), so the steps made since are added. The rate comes from the last few seconds of that step
-        (start-up, when steps did not move, is left out), or, before it has moved over a few seconds, from
-        the steps' own wall times."""
+        tick), so the steps made since are added. The rate is the lower of the last few seconds' (start-up,
+        when steps did not move, left out) and the one the recent steps' wall times give."""
         if not self._step_history:
             return None, 0.0
         t1, s1 = self._step_history[-1]
         t0, s0 = next((t, s) for t, s in self._step_history if t >= t1 - max(lead_s, REPLAY_LEAD_S))
         rate = (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else 0.0
-        if rate <= 0.0 and self._step_walls:
-            rate = 1.0 / max(1e-6, statistics.median(self._step_walls))
+        if self._step_walls:
+            # The steps' own wall times follow a slowdown within a few steps, the window's rate lags it by
+            # seconds: a link probe asked for just after a 3x slowdown was put 15 s of training ahead, not 5.
+            walls_rate = 1.0 / max(1e-6, statistics.median(self._step_walls))
+            rate = walls_rate if rate <= 0.0 else min(rate, walls_rate)
         ahead = rate * (max(0.0, now - t1) + lead_s)
         return s1 + max(lead_steps, int(ahead) + 1), rate
 
