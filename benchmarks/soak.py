@@ -7,6 +7,11 @@ After the warm-up, a healthy run keeps all of them flat. The job ends itself at 
 
     python -m benchmarks soak run --minutes 60            # the issue's bar: one hour
     python -m benchmarks soak run --quick                 # 2 minutes, RESULTS.md untouched (smoke test)
+    python -m benchmarks soak run --variants full,checks-off,bare   # what grows because of trainscout
+
+`--variants` runs the same job side by side under trainscout with every check on (full), under trainscout
+with every optional check off (checks-off), and alone (bare): a growth the bare job shows too is the
+workload's (torch, the allocator), not trainscout's.
 
 RSS growth is reported as the slope of a least-squares line through the samples after warm-up (MiB per
 hour) and as last-minus-first-after-warm-up; descriptor and shared-memory counts as their range after
@@ -36,9 +41,9 @@ ROLES = (  # first match wins: the launcher's command line names the training mo
 )
 
 
-def _role(proc: psutil.Process, top: int) -> str | None:
+def _role(proc: psutil.Process, top: int, top_role: str) -> str | None:
     if proc.pid == top:
-        return "supervisor"
+        return top_role
     try:
         cmd = " ".join(proc.cmdline())
     except psutil.Error:
@@ -49,14 +54,14 @@ def _role(proc: psutil.Process, top: int) -> str | None:
     return None
 
 
-def _sample(top: psutil.Process, run_id: str) -> dict:
+def _sample(top: psutil.Process, run_id: str, top_role: str = "supervisor") -> dict:
     procs = {}
     try:
         family = [top, *top.children(recursive=True)]
     except psutil.Error:
         return {}
     for p in family:
-        role = _role(p, top.pid)
+        role = _role(p, top.pid, top_role)
         if role is None:
             continue
         try:
@@ -117,6 +122,87 @@ def summarize(samples: list[dict], warmup_s: float) -> dict:
     return out
 
 
+# what --variants may run, side by side: the job under trainscout with every check at its default, the same
+# with every optional check off (the probe still times steps and publishes), and the job alone
+CHECKS_OFF = {
+    "TRAINSCOUT_STATE_CHECK": "0",
+    "TRAINSCOUT_NONFINITE_CHECK": "0",
+    "TRAINSCOUT_EVIDENCE": "0",
+    "TRAINSCOUT_REPLAY_EVERY": "0",
+    "TRAINSCOUT_LINK_PROBE": "0",
+}
+VARIANTS = ("full", "checks-off", "bare")
+
+
+class _Job:
+    """One variant's job: its process tree, samples, and where it writes."""
+
+    def __init__(self, variant: str, args: argparse.Namespace, out_dir: Path, stamp: int) -> None:
+        self.variant = variant
+        self.dir = out_dir / variant if len(args.variants) > 1 else out_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = f"soak-{variant}-{stamp}"
+        self.stop_file = self.dir / "stop"
+        job = train_cmd(
+            args.nproc,
+            10**9,
+            "--slow-ms",
+            str(args.slow_ms),
+            "--stop-file",
+            str(self.stop_file),
+            "--checkpoint-every",
+            str(args.checkpoint_every),
+            "--checkpoint-dir",
+            str(self.dir / "ckpt"),
+            "--log-every",
+            "500",
+        )
+        env = dict(os.environ)
+        if variant == "bare":
+            cmd = job
+        else:
+            cmd = under_trainscout(job, self.dir, self.run_id, "--metrics-port", str(_common.free_port()))
+            if variant == "checks-off":
+                env.update(CHECKS_OFF)
+        self.log = open(self.dir / "soak.out", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=_common.REPO, env=env)
+        self.top = psutil.Process(self.proc.pid)
+        self.samples: list[dict] = []
+
+    def sample(self, t: float) -> None:
+        s = _sample(self.top, self.run_id, top_role="launcher" if self.variant == "bare" else "supervisor")
+        if s:
+            s["t"] = t
+            s["load1"] = round(os.getloadavg()[0], 2)
+            self.samples.append(s)
+            print(
+                f"[soak {self.variant}] {t:7.0f} s  load {s['load1']:5.2f}  "
+                + "  ".join(f"{k} {v['rss'] / 2**20:.0f}M/{v['fds']}fd" for k, v in sorted(s["procs"].items()))
+                + f"  shm {s['shm_files']}",
+                flush=True,
+            )
+
+    def result(self, args: argparse.Namespace, wall: float, load_before: float) -> dict:
+        self.log.close()
+        run_path = self.dir / self.run_id
+        findings = _common.read_jsonl(run_path / "findings.jsonl") if self.variant != "bare" else []
+        leftover = [f for f in os.listdir("/dev/shm") if self.run_id in f] if os.path.isdir("/dev/shm") else []
+        (self.dir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in self.samples))
+        loads = sorted(s["load1"] for s in self.samples)
+        return {
+            "variant": self.variant,
+            "minutes": args.minutes,
+            "wall_s": round(wall, 1),
+            "exit": self.proc.returncode,
+            "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings],
+            "load1_before": round(load_before, 2),
+            "load1_median": loads[len(loads) // 2] if loads else None,
+            "shm_left_after_exit": len(leftover),
+            "run_dir": str(run_path),
+            **summarize(self.samples, args.warmup_minutes * 60),
+        }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=60.0, help="how long the job trains")
@@ -125,102 +211,82 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--slow-ms", type=float, default=20.0, help="each rank sleeps this long a step (the job's pace)")
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (certified)")
+    p.add_argument(
+        "--variants",
+        default="full",
+        help=f"comma-separated, run side by side: {', '.join(VARIANTS)} (what grows with trainscout, and without)",
+    )
     p.add_argument("--out-dir", default=None, help="where the run folder goes (default: a temporary folder)")
     p.add_argument("--no-record", action="store_true", help="leave RESULTS.md alone")
     args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants or len(set(args.variants)) != len(args.variants):
+        p.error(f"--variants: one or more of {', '.join(VARIANTS)}, each once (got {args.variants})")
     out_dir, info, up_before = _common.begin("soak", Path(args.out_dir) if args.out_dir else None)
-    run_id = f"soak-{int(time.time())}"
-    stop_file = out_dir / "stop"
-    ckpt = out_dir / "ckpt"
-    job = train_cmd(
-        args.nproc,
-        10**9,
-        "--slow-ms",
-        str(args.slow_ms),
-        "--stop-file",
-        str(stop_file),
-        "--checkpoint-every",
-        str(args.checkpoint_every),
-        "--checkpoint-dir",
-        str(ckpt),
-        "--log-every",
-        "500",
-    )
-    metrics_port = str(_common.free_port())
-    cmd = under_trainscout(job, out_dir, run_id, "--metrics-port", metrics_port)
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
-    log = open(out_dir / "soak.out", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_common.REPO)
-    top = psutil.Process(proc.pid)
-    samples: list[dict] = []
+    stamp = int(time.time())
+    jobs = [_Job(v, args, out_dir, stamp) for v in args.variants]
     end_at = started + args.minutes * 60
     next_sample = started + 5.0
-    while proc.poll() is None:
+    while any(j.proc.poll() is None for j in jobs):
         now = time.monotonic()
-        if now >= end_at and not stop_file.exists():
-            stop_file.touch()  # the ranks stop together at their next check (every 10 steps)
+        for j in jobs:
+            if now >= end_at and not j.stop_file.exists():
+                j.stop_file.touch()  # the ranks stop together at their next check (every 10 steps)
+            if now > end_at + 300 and j.proc.poll() is None:
+                j.proc.terminate()  # the job did not stop within 5 minutes of its stop file: a finding of its own
         if now >= next_sample:
-            s = _sample(top, run_id)
-            if s:
-                s["t"] = round(now - started, 1)
-                s["load1"] = round(os.getloadavg()[0], 2)
-                samples.append(s)
-                print(
-                    f"[soak] {s['t']:7.0f} s  load {s['load1']:5.2f}  "
-                    + "  ".join(f"{k} {v['rss'] / 2**20:.0f}M/{v['fds']}fd" for k, v in sorted(s["procs"].items()))
-                    + f"  shm {s['shm_files']}",
-                    flush=True,
-                )
+            for j in jobs:
+                if j.proc.poll() is None:
+                    j.sample(round(now - started, 1))
             next_sample += args.every
-        if now > end_at + 300:
-            proc.terminate()  # the job did not stop within 5 minutes of its stop file: a finding of its own
         time.sleep(0.5)
     wall = time.monotonic() - started
-    log.close()
-    run_path = out_dir / run_id
-    findings = _common.read_jsonl(run_path / "findings.jsonl")
-    leftover_shm = [f for f in os.listdir("/dev/shm") if run_id in f] if os.path.isdir("/dev/shm") else []
-    result = {
-        "minutes": args.minutes,
-        "wall_s": round(wall, 1),
-        "exit": proc.returncode,
-        "findings": [(f.get("kind"), f.get("culprit_ranks")) for f in findings],
-        "load1_before": round(load_before[0], 2),
-        "load1_median": sorted(s["load1"] for s in samples)[len(samples) // 2] if samples else None,
-        "shm_left_after_exit": len(leftover_shm),
-        "run_dir": str(run_path),
-        **summarize(samples, args.warmup_minutes * 60),
-    }
-    (out_dir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    print(json.dumps(result, indent=1))
+    results = [j.result(args, wall, load_before) for j in jobs]
+    print(json.dumps(results, indent=1))
     if not args.no_record:
-        _record(args, result, info)
-    return 0 if not findings and proc.returncode == 0 else 1
+        _record(args, results, info)
+    return 0 if all(not r["findings"] and r["exit"] == 0 for r in results) else 1
 
 
-def _record(args: argparse.Namespace, r: dict, info: dict[str, str]) -> None:
-    rows = [
-        f"| {role} | {v['pids']} | {v['rss_first_mib']} | {v['rss_last_mib']} | {v['rss_max_mib']} | "
-        f"{v['rss_slope_mib_per_h']:+} | {v['fds_min']}-{v['fds_max']} |"
-        for role, v in sorted(r["processes"].items())
-    ]
+def _record(args: argparse.Namespace, results: list[dict], info: dict[str, str]) -> None:
     body = [
-        f"- job: {args.nproc} ranks of the demo, {args.slow_ms:g} ms sleep a step, metrics endpoint on, a certified "
-        f"checkpoint every {args.checkpoint_every} steps, every check at its default (all on)",
-        f"- load: 1-min {r['load1_before']} at start, median {r['load1_median']} over the run",
-        f"- result: exit {r['exit']}, findings {r['findings'] or 'none'}, wall {r['wall_s']} s; "
-        f"shared-memory files after warm-up {r['shm_files']} ({r['shm_mib']} MiB), left after exit: "
-        f"{r['shm_left_after_exit']}",
+        f"- job: {args.nproc} ranks of the demo, {args.slow_ms:g} ms sleep a step, a checkpoint every "
+        f"{args.checkpoint_every} steps; variants side by side: "
+        + "; ".join(
+            {
+                "full": "full (under trainscout, metrics endpoint on, every check at its default)",
+                "checks-off": "checks-off (under trainscout, "
+                + ", ".join(f"{k}={v}" for k, v in CHECKS_OFF.items())
+                + ")",
+                "bare": "bare (the job alone)",
+            }[r["variant"]]
+            for r in results
+        ),
+    ]
+    for r in results:
+        body.append(
+            f"- {r['variant']}: exit {r['exit']}, findings {r['findings'] or 'none'}, wall {r['wall_s']} s, load 1-min "
+            f"{r['load1_before']} at start, median {r['load1_median']}; shared-memory files after warm-up "
+            f"{r['shm_files']} ({r['shm_mib']} MiB), left after exit: {r['shm_left_after_exit']}"
+        )
+    body += [
         "",
         f"RSS after the {args.warmup_minutes:g}-minute warm-up (MiB) and open descriptors, per process:",
         "",
-        "| process | pids seen | RSS first | RSS last | RSS max | slope MiB/h | fds |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
+        "| variant | process | pids seen | RSS first | RSS last | RSS max | slope MiB/h | fds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for r in results:
+        body += [
+            f"| {r['variant']} | {role} | {v['pids']} | {v['rss_first_mib']} | {v['rss_last_mib']} | "
+            f"{v['rss_max_mib']} | {v['rss_slope_mib_per_h']:+} | {v['fds_min']}-{v['fds_max']} |"
+            for role, v in sorted(r["processes"].items())
+        ]
     _common.append_results(
-        f"Soak: {args.minutes:g} minutes, {args.nproc} ranks, every check on",
+        f"Soak: {args.minutes:g} minutes, {args.nproc} ranks, {', '.join(args.variants)}",
         info,
         _common.command_line(),
         "\n".join(body),

@@ -21,6 +21,13 @@ from pathlib import Path
 
 import pytest
 
+# A suite started in the background by a non-interactive shell (`make test &`) inherits SIGINT ignored, and so
+# would every job it starts: Python then installs no handler of its own, and a Ctrl-C a test sends before
+# trainscout's supervisor sets its handler is lost (the job trained on for a minute). The jobs get what a
+# terminal gives them: SIGINT at its default (a Python handler here is reset to the default across exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 JOB_TIMEOUT_S = 150.0
 PY = sys.executable
 

@@ -8,6 +8,7 @@ from trainscout.detectors.nonfinite import NonFiniteDetector
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector
 from trainscout.detectors.replay import ReplayDetector
+from trainscout.detectors import state as state_module
 from trainscout.detectors.state import ReplicaStateDetector, verified_step
 from trainscout.probe import protocol
 from trainscout.wire.messages import (
@@ -386,6 +387,24 @@ def test_verified_step_needs_a_whole_clean_rotation():
     assert verified_step({1: True, 2: True, 3: True, 4: False, 5: True, 6: True}, 3) == 3
     assert verified_step({1: True, 3: True, 4: True}, 2) == 4
     assert verified_step({}, 2) == -1
+
+
+def test_replicated_state_history_is_bounded_and_only_ever_claims_less(monkeypatch):
+    # a long job compares a range at nearly every step: the kept outcomes stop at HISTORY_STEPS, and a dirty
+    # step forgotten leaves only steps after it, so what is verified never grows by forgetting
+    monkeypatch.setattr(state_module, "HISTORY_STEPS", 40)
+    det = ReplicaStateDetector()
+    for step in range(1, 201):
+        for r in WORLD:
+            digest = 9 if (r == 2 and step == 100) else 7
+            det.add(r, "0", [StateRecord(step=step, tensor="w", start=0, end=64, digest=digest)], 0.0)
+        det.update(float(step), {"0": WORLD}, set(WORLD))
+        assert len(det.step_clean) <= 50
+        if step == 105:  # the dirty step is kept: the state is verified as of the step before it, not after
+            assert det.outliers_at == {100: {2}} and verified_step(det.step_clean, 8) == 99
+    assert min(det.step_clean) > 200 - 50 and 100 not in det.outliers_at
+    assert verified_step(det.step_clean, 8) == 200
+    assert verified_step(det.step_clean, 64) == -1  # a rotation longer than the history is never verified
 
 
 def test_nonfinite_origin_is_the_early_minority():

@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # types only: detectors take plain records and import no wire
     from trainscout.wire.messages import NodeDigest, ReplayRecord
 
 
+KEEP_OUTCOMES = 1024  # the latest replays' outcomes, (step, layer) -> (status, outliers)
+
+
 class ReplayDetector(DetectorBase):
     name = "replay"
 
@@ -59,6 +62,8 @@ class ReplayDetector(DetectorBase):
             self.replays_compared += 1
             verdict = vote_exact(entry["ranks"])
             self.outcomes[key] = (verdict.status, list(verdict.outliers))
+            if len(self.outcomes) > KEEP_OUTCOMES:  # a confirmation reads the one it scheduled, seconds later
+                del self.outcomes[next(iter(self.outcomes))]
             if verdict.status == "agree":
                 self.clean_layers.add(layer)
                 continue
