@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from trainscout import checkpoint_list
@@ -233,6 +233,7 @@ def test_a_damaged_run_folder_never_breaks_a_reader(rows, which, data):
 
 @FUZZ
 @given(st.lists(bad_line, min_size=1, max_size=6))
+@example([b'{"status":null}'])  # a certificate with no status listed as one with status None
 def test_run_files_made_only_of_bad_lines_read_as_empty_or_skipped(lines):
     with RunDir() as run_dir:
         os.makedirs(os.path.join(run_dir, "ckpt"))
