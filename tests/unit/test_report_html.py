@@ -16,7 +16,7 @@ import numpy as np
 
 from trainscout import cli
 from trainscout.findings import Finding, to_json
-from trainscout.sinks import report_html, report_series
+from trainscout.sinks import evidence_log, report_html, report_series
 from trainscout.sinks.evidence_log import EvidenceLog
 from trainscout.wire.messages import NumericRecord, StepRecord
 
@@ -160,6 +160,31 @@ def test_a_large_log_is_read_in_windows_across_the_whole_run(tmp_path):
     assert np.allclose(value_a, 40.0)  # only whole lines were decoded
     text = open(report_html.write_report(run, max_evidence_bytes=size // 8), encoding="utf-8").read()
     assert "read in evenly spaced windows across the run" in text and 'data-chart="grad"' in text
+
+
+def test_the_evidence_log_rotates_within_its_budget_and_readers_see_both_files(tmp_path):
+    # a long job's log stays within max_bytes on disk: the older half becomes evidence.1.jsonl, and the
+    # report and the offline reader take both, oldest first, with each file naming the layers its lines need
+    run = tmp_path / "long"
+    run.mkdir()
+    log = EvidenceLog(run / "evidence.jsonl", max_bytes=64 << 10)
+    for s in range(1, 2001):
+        for r in range(2):
+            rec = StepRecord(step=s, wall_s=0.04, cpu_s=0.01, data_s=0.0, ckpt_s=0.0, wait_s=0.02)
+            log.write(r, [rec], [NumericRecord(step=s, loss=1.0, norms=[0.5])], ["blocks.0"], 2)
+        total = sum(p.stat().st_size for p in run.iterdir())
+        assert total <= (64 << 10) + 512, f"{total} bytes on disk at step {s}"
+    log.close()
+    assert log.rotations >= 2 and sorted(p.name for p in run.iterdir()) == ["evidence.1.jsonl", "evidence.jsonl"]
+    for name in ("evidence.1.jsonl", "evidence.jsonl"):
+        first = {json.loads(line)["rank"]: json.loads(line) for line in reversed((run / name).read_text().splitlines())}
+        assert all(doc.get("layers") == ["blocks.0"] for doc in first.values()), name
+    steps = evidence_log.read(run / "evidence.jsonl")[0]["steps"]
+    assert steps[-1].step == 2000 and [x.step for x in steps] == list(range(steps[0].step, 2001))
+    ev = report_html.load_run(run).evidence
+    assert ev is not None and ev.ranks == 2
+    step_a = ev.metrics["wall"][1]
+    assert step_a.max() == 2000 and step_a.min() == steps[0].step  # the rotated file's steps come first
 
 
 def test_many_ranks_draw_peer_median_and_range(tmp_path):

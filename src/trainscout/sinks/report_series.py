@@ -118,10 +118,19 @@ def _arrays(docs: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
 _MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError)
 
 
-def read_evidence(path: str | os.PathLike, max_bytes: int = EVIDENCE_READ_BYTES, batch: int = 4096) -> Evidence:
-    """The four per-rank series of an evidence log (see evidence_log.py for its lines), read in batches of
-    lines so memory stays bounded by the arrays, not by decoded JSON."""
-    chunks, size, read = _chunks(os.fspath(path), max_bytes, EVIDENCE_WINDOWS)
+def read_evidence(path: str | os.PathLike | list, max_bytes: int = EVIDENCE_READ_BYTES, batch: int = 4096) -> Evidence:
+    """The four per-rank series of an evidence log (see evidence_log.py for its lines), or of several, oldest
+    first (a rotated log and its successor), read in batches of lines so memory stays bounded by the arrays,
+    not by decoded JSON. `max_bytes` is shared among the files by their sizes."""
+    paths = [os.fspath(p) for p in (path if isinstance(path, list) else [path])]
+    sizes = [os.path.getsize(p) for p in paths]
+    chunks, size, read = [], 0, 0
+    for p, n in zip(paths, sizes):
+        budget = max(64 << 10, max_bytes * n // max(1, sum(sizes)))
+        file_chunks, file_size, file_read = _chunks(p, budget, EVIDENCE_WINDOWS)
+        chunks += file_chunks
+        size += file_size
+        read += file_read
     parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {key: [] for key, _, _ in METRICS}
     ranks: set[int] = set()
     for chunk in chunks:
