@@ -192,6 +192,7 @@ class StateCheck:
         0,
         "TRAINSCOUT_STATE_PERIOD",
         low=0,
+        high=4096,  # the coordinator keeps this many compared steps: a longer rotation would never be verified
         doc="a fixed rotation of this many slots hashed every step instead of the budget (0: off)",
     )
 

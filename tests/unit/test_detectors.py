@@ -390,7 +390,7 @@ def test_verified_step_needs_a_whole_clean_rotation():
 
 
 def test_replicated_state_history_is_bounded_and_only_ever_claims_less(monkeypatch):
-    # a long job compares a range at nearly every step: the kept outcomes stop at HISTORY_STEPS, and a dirty
+    # a long job compares a range every few steps: the kept outcomes stop at HISTORY_STEPS, and a dirty
     # step forgotten leaves only steps after it, so what is verified never grows by forgetting
     monkeypatch.setattr(state_module, "HISTORY_STEPS", 40)
     det = ReplicaStateDetector()

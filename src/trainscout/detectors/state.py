@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
     from trainscout.wire.messages import NodeDigest, StateRecord
 
-# Steps whose comparison outcome is kept (what a checkpoint's trust and a confirmation read): a job compares a
-# range at nearly every step, and keeping them all grew the coordinator by ~2.4 MiB an hour and its once-a-second
-# trust pass with them. Forgetting older steps only ever claims less: a rotation longer than this is never
-# verified, and the steps kept all follow any dirty step forgotten.
-HISTORY_STEPS = 65536
+# Compared steps whose outcome is kept (what a checkpoint's trust and a confirmation read): a job compares a
+# slot at every stride-th step, and keeping them all grew the coordinator by ~3 MiB an hour (a 1-hour soak) and
+# its once-a-second trust pass with them. Forgetting older steps only ever claims less: a rotation of more
+# slots than this is never verified (the budget's rotations have about 63; TRAINSCOUT_STATE_PERIOD is capped
+# at this), and the steps kept all follow any dirty step forgotten.
+HISTORY_STEPS = 4096
 
 
 class ReplicaStateDetector(DetectorBase):
@@ -60,12 +61,12 @@ class ReplicaStateDetector(DetectorBase):
             self.max_step = max(self.max_step, rec.step)
 
     def _forget_old(self) -> None:
-        """Keep the outcomes of the last HISTORY_STEPS steps (dropped in batches: one pass per quarter of it)."""
+        """Keep the outcomes of the last HISTORY_STEPS compared steps (dropped in batches of a quarter)."""
         if len(self.step_clean) <= HISTORY_STEPS + HISTORY_STEPS // 4:
             return
-        cutoff = max(self.step_clean) - HISTORY_STEPS
-        self.step_clean = {s: c for s, c in self.step_clean.items() if s > cutoff}
-        self.outliers_at = {s: r for s, r in self.outliers_at.items() if s > cutoff}
+        cutoff = sorted(self.step_clean)[-HISTORY_STEPS]
+        self.step_clean = {s: c for s, c in self.step_clean.items() if s >= cutoff}
+        self.outliers_at = {s: r for s, r in self.outliers_at.items() if s >= cutoff}
 
     def update(self, now: float, members_of: dict[str, list[int]], live: set[int]) -> list[Finding]:
         findings: list[Finding] = []
