@@ -14,7 +14,7 @@ from test_detectors import WORLD, obs, pg
 from trainscout.coordinator.main import Coordinator
 from trainscout.sinks import ConsoleSink
 from trainscout.wire.endpoints import CoordinatorEndpoint
-from trainscout.wire.messages import Hello, NodeDigest
+from trainscout.wire.messages import Hello, LauncherReport, NodeDigest
 
 
 def _coordinator(tmp_path) -> Coordinator:
@@ -42,5 +42,23 @@ def test_a_hello_after_a_silence_does_not_revive_stale_ranks(tmp_path):
         assert not coord.nodes[b"node0"]["lost"]
         coord.detect(110.5)
         assert coord.pending_stacks == {} and coord.findings == []
+    finally:
+        coord.endpoint.close()
+
+
+def test_a_crash_the_agent_never_saw_is_named_from_the_launchers_report(tmp_path):
+    """A job torn down within a digest of a crash: the agent stops before it sees any rank exit, and only the
+    launcher reports who died how (rank 1 by SIGSEGV, its peers by the launcher's SIGTERM)."""
+    coord = _coordinator(tmp_path)
+    try:
+        coord.handle(b"node0", _digest(1, behind=1), 100.0)
+        exits = [(0, -15, 11), (2, -15, 13), (3, -15, 14), (1, -11, 12)]
+        coord.handle(b"node0", LauncherReport(node_id="node0", exit_code=1, worker_exits=exits), 100.4)
+        coord.handle(b"node0", LauncherReport(node_id="node0", exit_code=1, worker_exits=exits, final=True), 100.5)
+        coord.finish()
+        (crash,) = [f for f in coord.findings if f.kind == "crash"]
+        assert crash.culprit_ranks == [1] and crash.status == "attributed", crash
+        assert crash.evidence["signal"] == "SIGSEGV" and "SIGSEGV" in crash.summary, crash
+        assert [f.kind for f in coord.findings] == ["crash"]
     finally:
         coord.endpoint.close()

@@ -52,6 +52,7 @@ from trainscout.wire.messages import (
     Hello,
     LauncherReport,
     NodeDigest,
+    RankExit,
     RecordsReport,
     StackReport,
 )
@@ -266,6 +267,7 @@ class Coordinator:
             self.launcher_done = self.launcher_done or msg.final  # not final: exits seen while it runs
             for rank, code, _pid in msg.worker_exits:
                 self.launcher_codes[rank] = code
+                self._exit_from_launcher(rank, code, now)
             self.events.write(
                 "launcher_exit" if msg.final else "worker_exits", exit_code=msg.exit_code, workers=msg.worker_exits
             )
@@ -275,6 +277,24 @@ class Coordinator:
         elif isinstance(msg, Goodbye):
             node["gone"] = True
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
+
+    def _exit_from_launcher(self, rank: int, code: int, now: float) -> None:
+        """A rank the launcher reports dead whose exit no agent has reported yet (a job torn down within a
+        digest of a crash: the agent stopped before it saw the exits) exits now, as the launcher says; an
+        agent's own record, richer, replaces it if one still comes."""
+        obs = self.ranks.get(rank)
+        if obs is None or obs.state.exit is not None or code == 0:
+            return
+        signal_number = -code if code < 0 else None
+        obs.state.exit = RankExit(
+            how="signal" if signal_number else "exit",
+            code=None if signal_number else code,
+            signal=signal_number,
+            message="exit reported by the launcher",
+            step=obs.state.step,
+            age_s=obs.seen_at - now,  # exited_at() = now: when the launcher's report came
+        )
+        obs.state.alive = False
 
     def resume(self) -> int:
         """A restarted coordinator takes over its predecessor's findings (findings.jsonl) so that none is
@@ -877,6 +897,10 @@ class Coordinator:
         self.launcher_done = True
         self._caught_up = None  # drained: silence is judged up to now
         now = time.monotonic()
+        exits = self.detectors.get("exits")
+        if self.ranks and isinstance(exits, ExitDetector):  # nothing more will come: decide the exits now
+            for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):
+                self.emit(f, now)
         self.detect(now)
         for p in list(self.pending_stacks.values()) + []:
             p.deadline = now
