@@ -58,6 +58,8 @@ from trainscout.wire.messages import (
 )
 
 _log = log.get("coordinator")
+# signals no launcher's teardown sends: a rank killed by one failed of its own accord
+FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 ROOT_KINDS = {HANG, DESYNC, CRASH, EARLY_EXIT, STALL}
 # straggler types whose finding says where the time goes (a starved rank's is spread over whatever it runs)
 PROFILED = {"blocked", "compute", "data_loading"}
@@ -279,17 +281,16 @@ class Coordinator:
             self.events.write("agent_goodbye", node=msg.node_id, reason=msg.reason)
 
     def _exit_from_launcher(self, rank: int, code: int, now: float) -> None:
-        """A rank the launcher reports dead whose exit no agent has reported yet (a job torn down within a
-        digest of a crash: the agent stopped before it saw the exits) exits now, as the launcher says; an
-        agent's own record, richer, replaces it if one still comes."""
+        """A rank the launcher reports killed by a fault signal whose exit no agent has reported yet (a job torn
+        down within a digest of a crash: the agent stopped before it saw the exits) exits now, as the launcher
+        says; an agent's own record, richer, replaces it if one still comes."""
         obs = self.ranks.get(rank)
-        if obs is None or obs.state.exit is not None or code == 0:
-            return
-        signal_number = -code if code < 0 else None
+        if obs is None or obs.state.exit is not None or -code not in FAULT_SIGNALS:
+            return  # an exit code, SIGKILL or SIGTERM may be the teardown's, and read at once would blame it
         obs.state.exit = RankExit(
-            how="signal" if signal_number else "exit",
-            code=None if signal_number else code,
-            signal=signal_number,
+            how="signal",
+            code=None,
+            signal=-code,
             message="exit reported by the launcher",
             step=obs.state.step,
             age_s=obs.seen_at - now,  # exited_at() = now: when the launcher's report came
