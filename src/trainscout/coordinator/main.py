@@ -898,11 +898,11 @@ class Coordinator:
         self.launcher_done = True
         self._caught_up = None  # drained: silence is judged up to now
         now = time.monotonic()
+        self.detect(now)  # a hang or desync named now is the root: the exits that followed are its consequences
         exits = self.detectors.get("exits")
-        if self.ranks and isinstance(exits, ExitDetector):  # nothing more will come: decide the exits now
-            for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):
+        if self.ranks and not self.root_found and isinstance(exits, ExitDetector):
+            for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):  # nothing more will come
                 self.emit(f, now)
-        self.detect(now)
         for p in list(self.pending_stacks.values()) + []:
             p.deadline = now
         for pp in self.pending_profiles.values():
