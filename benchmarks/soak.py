@@ -54,6 +54,11 @@ def _role(proc: psutil.Process, top: int, top_role: str) -> str | None:
     return None
 
 
+def _shm_files(run_id: str) -> list[str]:
+    """The run's files in /dev/shm (its channels, its run-id claim)."""
+    return [f for f in os.listdir("/dev/shm") if run_id in f] if os.path.isdir("/dev/shm") else []
+
+
 def _sample(top: psutil.Process, run_id: str, top_role: str = "supervisor") -> dict:
     procs = {}
     try:
@@ -78,7 +83,7 @@ def _sample(top: psutil.Process, run_id: str, top_role: str = "supervisor") -> d
                 pass
         key = role if role not in procs else f"{role}-{p.pid}"
         procs[key] = {"pid": p.pid, "rss": rss, "fds": fds, "cpu_s": cpu}
-    shm = [f for f in os.listdir("/dev/shm") if run_id in f] if os.path.isdir("/dev/shm") else []
+    shm = _shm_files(run_id)
     shm_bytes = sum(os.path.getsize(os.path.join("/dev/shm", f)) for f in shm)
     return {"procs": procs, "shm_files": len(shm), "shm_bytes": shm_bytes}
 
@@ -186,7 +191,7 @@ class _Job:
         self.log.close()
         run_path = self.dir / self.run_id
         findings = _common.read_jsonl(run_path / "findings.jsonl") if self.variant != "bare" else []
-        leftover = [f for f in os.listdir("/dev/shm") if self.run_id in f] if os.path.isdir("/dev/shm") else []
+        leftover = _shm_files(self.run_id)
         (self.dir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in self.samples))
         loads = sorted(s["load1"] for s in self.samples)
         return {

@@ -191,12 +191,19 @@ class Coordinator:
         self.devices = _of(self.detectors, "devices", DeviceWatch)
         self.confirmations = confirmation.Confirmations()  # replay + whole-state checks before they are named
 
+    def _decide_exits(self, now: float) -> bool:
+        """Nothing more will come of these ranks (their attempt or the job ended): decide their exits now.
+        False if no exit detector runs."""
+        exits = self.detectors.get("exits")
+        if not isinstance(exits, ExitDetector):
+            return False
+        for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):
+            self.emit(f, now)
+        return True
+
     def _next_attempt(self, attempt: int, now: float) -> None:
         """A rank of a newer attempt (elastic restart): decide what the old attempt left pending, then forget it."""
-        exits = self.detectors.get("exits")
-        if self.ranks and isinstance(exits, ExitDetector):
-            for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):
-                self.emit(f, now)
+        if self.ranks and self._decide_exits(now):
             for p in self.pending_stacks.values():
                 p.deadline = now
             for pf in self.pending_fetch.values():
@@ -899,10 +906,8 @@ class Coordinator:
         self._caught_up = None  # drained: silence is judged up to now
         now = time.monotonic()
         self.detect(now)  # a hang or desync named now is the root: the exits that followed are its consequences
-        exits = self.detectors.get("exits")
-        if self.ranks and not self.root_found and isinstance(exits, ExitDetector):
-            for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):  # nothing more will come
-                self.emit(f, now)
+        if self.ranks and not self.root_found:
+            self._decide_exits(now)
         for p in list(self.pending_stacks.values()) + []:
             p.deadline = now
         for pp in self.pending_profiles.values():

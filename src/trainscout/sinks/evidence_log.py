@@ -34,6 +34,12 @@ def older_log(path: str) -> str:
     return f"{stem}.1{ext}"
 
 
+def log_files(path: str | os.PathLike) -> list[str]:
+    """The files of an evidence log that exist, oldest first: its rotated predecessor, then the log."""
+    path = os.fspath(path)
+    return [p for p in (older_log(path), path) if os.path.exists(p)]
+
+
 class EvidenceLog:
     def __init__(self, path: str | os.PathLike, max_ranks: int = 256, max_bytes: int = MAX_BYTES) -> None:
         self.path = os.fspath(path)
@@ -115,8 +121,11 @@ def read(path: str | os.PathLike) -> dict:
     A line of another shape (the torn last line of a log still being written, a hand edit) is skipped. The
     log's rotated predecessor (evidence.1.jsonl), if any, is read first."""
     path = os.fspath(path)
+    names = log_files(path)
+    if path not in names:
+        names.append(path)  # (not there: open says so)
     out: dict[int, dict] = {}
-    for name in [p for p in (older_log(path),) if os.path.exists(p)] + [path]:
+    for name in names:
         with open(name, "rb") as fh:
             for raw in fh:
                 if not raw.strip():

@@ -25,7 +25,7 @@ import msgspec
 
 from trainscout.findings import Finding, from_json
 from trainscout.sinks.console import detail_lines, headline, sorted_stacks
-from trainscout.sinks.evidence_log import older_log
+from trainscout.sinks.evidence_log import log_files
 from trainscout.sinks.jsonl import read_objects
 from trainscout.sinks.report_series import (
     CULPRIT_COLOURS,
@@ -107,8 +107,7 @@ def load_run(run_dir: str | os.PathLike, max_evidence_bytes: int = EVIDENCE_READ
     run_dir = os.fspath(run_dir)
     data = RunData(run_id=os.path.basename(os.path.normpath(run_dir)))
     data.findings = _read_findings(os.path.join(run_dir, "findings.jsonl"))
-    evidence_path = os.path.join(run_dir, "evidence.jsonl")
-    logs = [p for p in (older_log(evidence_path), evidence_path) if os.path.exists(p)]  # a rotated log first
+    logs = log_files(os.path.join(run_dir, "evidence.jsonl"))  # a rotated log first
     if logs:
         data.evidence = read_evidence(logs, max_evidence_bytes)
     for event in read_objects(os.path.join(run_dir, "events.supervisor.jsonl")):
