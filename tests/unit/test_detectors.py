@@ -234,6 +234,43 @@ def test_agreeing_streams_give_nothing():
     assert DesyncDetector().update(ranks) == ([], [])
 
 
+def _unchained_tail(odd: bool) -> list[CollectiveRecord]:
+    """Chained up to 31, then DDP's native bucket collectives never described (the rank died before its Flight
+    Recorder was read) between Python ones: the rolling hash cannot pass 31, the records beyond it are at hand."""
+    head = chain([record(s) for s in range(1, 32)])
+    tail = [native(32), record(33), native(34)]
+    tail.append(record(35, "all_reduce Double[] op=SUM" if odd else "all_reduce Float[] op=SUM"))
+    return head + tail
+
+
+def _pg_with(records: list[CollectiveRecord]) -> PgState:
+    state = pg(35, records)
+    state.recent = records[-6:]
+    state.rolling_hash, state.chained_seq = records[30].rolling_hash, 31
+    return state
+
+
+def test_a_mismatch_beyond_the_chained_seq_is_named_once_a_member_has_exited():
+    # a collective of another dtype aborts a gloo peer at once: the records that say so are never chained
+    alive = {r: obs(r, [_pg_with(_unchained_tail(r == 2))]) for r in WORLD}
+    assert DesyncDetector().update(alive) == ([], [])  # running ranks: the chain catches up first
+    ended = {r: obs(r, [_pg_with(_unchained_tail(r == 2))], exit=_exit("vanished") if r == 1 else None) for r in WORLD}
+    det = DesyncDetector()
+    (f,), fetches = det.update(ended)
+    assert fetches == []
+    assert (f.kind, f.culprit_ranks, f.collective_seq, f.evidence["differs_in"]) == ("desync", [2], 35, "dtype")
+
+
+def test_a_group_learnt_between_refreshes_is_checked_at_once():
+    det = DesyncDetector()
+    unknown = {r: obs(r, [pg(45, _stream(r == 1), members=[])]) for r in WORLD}  # members not learnt yet
+    assert det.update(unknown, groups_known=0) == ([], [])
+    known = {r: obs(r, [pg(45, _stream(r == 1))]) for r in WORLD}
+    assert det.update(known, groups_known=0) == ([], [])  # same count: groups are re-read only every 10 passes
+    (f,), _ = det.update(known, groups_known=1)
+    assert (f.kind, f.culprit_ranks, f.collective_seq) == ("desync", [1], 45)
+
+
 def _mixed(rank: int, described: dict[int, str], odd_python: int | None = None):
     """Streams of a Python all_reduce and a native (DDP-like) one in turn; `described`: rank -> the native
     collective 45's description on that rank (others still hold a placeholder)."""

@@ -59,19 +59,31 @@ class DesyncDetector(DetectorBase):
         self._cursor = 0
         self._passes = 0
         self._ranks_seen = 0
+        self._groups_known: int | None = None
+        self._checked_ended: dict[str, int] = {}  # pg -> the newest records last checked directly after an exit
 
     def judge(self, view: JobView) -> Judgement:
         """A deviation the digests' records show is named at once; else the records are pulled from the agents."""
-        findings, fetches = self.update(dict(view.seen))
+        findings, fetches = self.update(dict(view.seen), groups_known=len(view.members))
         return Judgement(findings=findings, asks=[FetchRecords(req, self.resolve) for req in fetches])
 
-    def update(self, ranks: dict[int, RankObs]) -> tuple[list[Finding], list[FetchRequest]]:
+    def update(
+        self, ranks: dict[int, RankObs], groups_known: int | None = None
+    ) -> tuple[list[Finding], list[FetchRequest]]:
+        """groups_known: how many groups' members the coordinator knows; a change re-reads the groups at once
+        (a group learnt between two refreshes went unchecked for up to ten passes: a desync in the job's first
+        seconds was then named only after the exits it caused)."""
         findings: list[Finding] = []
         fetches: list[FetchRequest] = []
-        if self._passes % REFRESH_GROUPS_EVERY == 0 or len(ranks) != self._ranks_seen:
+        if (
+            self._passes % REFRESH_GROUPS_EVERY == 0
+            or len(ranks) != self._ranks_seen
+            or (groups_known is not None and groups_known != self._groups_known)
+        ):
             self._groups = _group_members(ranks)
             self._order = list(self._groups)
             self._ranks_seen = len(ranks)
+            self._groups_known = groups_known
         self._passes += 1
         visits = 0
         n = len(self._order)
@@ -87,19 +99,30 @@ class DesyncDetector(DetectorBase):
             states = _member_states(ranks, name, members)
             if states is None:
                 continue
-            self._check(name, states, findings, fetches)
+            self._check(name, states, findings, fetches, ended=any(not ranks[r].state.alive for r in states))
         return findings, fetches
 
     def _check(
-        self, name: str, states: dict[int, PgState], findings: list[Finding], fetches: list[FetchRequest]
+        self,
+        name: str,
+        states: dict[int, PgState],
+        findings: list[Finding],
+        fetches: list[FetchRequest],
+        ended: bool = False,
     ) -> None:
         low = self._agreed.get(name, 0) + 1
         # Every member's rolling hash at the highest seq they all chained is equal: every collective up to there
         # agrees, unless native ones were described differently (their descriptions are not chained), which
         # only the records can show. (A record every member holds beyond that seq is one still waiting for an
-        # earlier one on some member: the rolling hash covers it once the gap fills or is given up.)
+        # earlier one on some member: the rolling hash covers it once the gap fills or is given up; but once a
+        # member has exited its gaps may never fill, and the mismatch that killed it is in those records: a
+        # collective of another size or dtype aborts a gloo peer at once, and the exit must not be named first.)
         agreed = _agreed_fast(states)
-        if agreed is not None and not _described_native(states, low):
+        if ended:  # once per change of the members' newest records: an exited member's stay as they are
+            newest = hash(tuple(pg.recent[-1].seq if pg.recent else 0 for pg in states.values()))
+            ended = self._checked_ended.get(name) != newest
+            self._checked_ended[name] = newest
+        if agreed is not None and not ended and not _described_native(states, low):
             if agreed >= low:
                 self._agreed[name] = agreed
             return
