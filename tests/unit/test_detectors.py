@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainscout.detectors.desync import DesyncDetector
 from trainscout.detectors.exits import ExitDetector
+from trainscout.detectors.interface import MAX_BACKLOG_S, JobView
 from trainscout.detectors.nonfinite import NonFiniteDetector
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.progress import HangDetector
@@ -418,6 +419,25 @@ def test_replicated_state_waits_for_all_replicas_then_times_out():
         det.add(r, "0", [StateRecord(step=5, tensor="w", start=0, end=64, digest=7)], 0.0)
     assert det.update(1.0, {"0": WORLD}, set(WORLD)) == [] and det.compared == 0
     assert det.update(6.0, {"0": WORLD}, set(WORLD)) == [] and det.compared == 1
+
+
+def test_a_backlog_of_frames_is_no_missing_evidence():
+    # three replicas reported at t=0; the fourth's report (the odd one) waits in the coordinator's queue, which
+    # last ran empty at t=0.5: at t=8 the wait has not run out on the evidence clock, and the vote waits for it
+    det = ReplicaStateDetector(wait_s=5.0)
+    for r in (0, 1, 3):
+        det.add(r, "0", [StateRecord(step=5, tensor="w", start=0, end=64, digest=7)], 0.0)
+    members = {"0": WORLD}
+    behind = JobView(now=8.0, ranks={}, seen={}, live=set(WORLD), members=members, classes={}, caught_up=0.5)
+    assert behind.waited_until == 0.5
+    assert det.judge(behind).findings == [] and det.compared == 0
+    det.add(2, "0", [StateRecord(step=5, tensor="w", start=0, end=64, digest=9)], 8.5)
+    caught_up = JobView(now=9.0, ranks={}, seen={}, live=set(WORLD), members=members, classes={}, caught_up=9.0)
+    (f,) = det.judge(caught_up).findings
+    assert (f.kind, f.culprit_ranks, det.compared) == ("sdc", [2], 1)
+    # a coordinator that never catches up still judges, MAX_BACKLOG_S behind
+    stuck = JobView(now=100.0, ranks={}, seen={}, live=set(), members={}, classes={}, caught_up=0.5)
+    assert stuck.waited_until == 100.0 - MAX_BACKLOG_S
 
 
 def test_verified_step_needs_a_whole_clean_rotation():

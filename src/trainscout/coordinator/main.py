@@ -29,7 +29,7 @@ from trainscout.coordinator.memberships import Memberships
 from trainscout.coordinator.step_commands import StepCommands
 from trainscout.detectors.devices import DeviceWatch
 from trainscout.detectors.exits import ExitDetector
-from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe
+from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe, evidence_clock
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.registry import Registry, default_detectors
 from trainscout.detectors.replay import ReplayDetector
@@ -205,9 +205,9 @@ class Coordinator:
         """A rank of a newer attempt (elastic restart): decide what the old attempt left pending, then forget it."""
         if self.ranks and self._decide_exits(now):
             for p in self.pending_stacks.values():
-                p.deadline = now
+                p.deadline = -math.inf
             for pf in self.pending_fetch.values():
-                pf.deadline = now
+                pf.deadline = -math.inf
             self.pending_profiles.clear()  # samples of a process that is gone
             self._flush_due(now)
         self.events.write("attempt_end", attempt=self.attempts.current, findings=len(self.findings))
@@ -376,6 +376,7 @@ class Coordinator:
             launcher_codes=self.launcher_codes,
             launcher_done=self.launcher_done,
             root_found=self.root_found,
+            caught_up=self._caught_up,
         )
 
     def _take(self, f: Finding, view: JobView) -> None:
@@ -733,19 +734,22 @@ class Coordinator:
         pending.waiting.discard(msg.rank)
 
     def _flush_due(self, now: float) -> None:
+        """Emit what waited for answers (stacks, profiles, pulled records) once every answer is in or its deadline
+        passed on the clock of evidence: behind a backlog the answers may be queued (JobView.waited_until)."""
+        clock = evidence_clock(now, self._caught_up)
         for rid, p in list(self.pending_stacks.items()):
-            if not p.waiting or now >= p.deadline:
+            if not p.waiting or clock >= p.deadline:
                 del self.pending_stacks[rid]
                 if self._stale(p.finding):
                     self.events.write("suspect_dropped", request=rid, reason="an agent went silent meanwhile")
                     continue
                 self.emit(p.finding, now)
         for rid, pp in list(self.pending_profiles.items()):
-            if not pp.waiting or now >= pp.deadline:
+            if not pp.waiting or clock >= pp.deadline:
                 del self.pending_profiles[rid]
                 self.emit(self._finish_profile(pp), now)
         for rid, pf in list(self.pending_fetch.items()):
-            if not pf.waiting or now >= pf.deadline:
+            if not pf.waiting or clock >= pf.deadline:
                 del self.pending_fetch[rid]
                 f = pf.ask.resolve(pf.ask.request, pf.records)
                 if f is not None:

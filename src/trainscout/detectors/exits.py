@@ -95,7 +95,9 @@ class ExitDetector(DetectorBase):
     def judge(self, view: JobView) -> Judgement:
         if view.root_found:
             self.done = True  # later exits follow from the fault already named
-        return findings_only(self.update(view.now, dict(view.ranks), dict(view.launcher_codes), view.launcher_done))
+        return findings_only(
+            self.update(view.waited_until, dict(view.ranks), dict(view.launcher_codes), view.launcher_done)
+        )
 
     def update(
         self, now: float, ranks: dict[int, RankObs], launcher_codes: dict[int, int], launcher_done: bool

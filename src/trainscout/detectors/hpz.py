@@ -93,7 +93,7 @@ class HpzRaceDetector(DetectorBase):
                 self.add(st.rank, records, now)
 
     def judge(self, view: JobView) -> Judgement:
-        return findings_only(self.update(view.now, view.live))
+        return findings_only(self.update(view.waited_until, view.live))
 
     def add(self, rank: int, records: list[StateRecord], now: float) -> None:
         for rec in records:

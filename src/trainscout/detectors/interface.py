@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # types only: detectors take plain records and import no wire
     from trainscout.wire.messages import NodeDigest
 
 
+MAX_BACKLOG_S = 60.0  # beyond this a coordinator that never catches up judges on what it has
+
+
 @dataclass
 class JobView:
     """What one detection pass sees of the job."""
@@ -42,6 +45,14 @@ class JobView:
     launcher_codes: Mapping[int, int] = field(default_factory=dict)  # rank -> exit code the launcher saw
     launcher_done: bool = False
     root_found: bool = False  # a root cause (hang, desync, crash, ...) was named: later exits follow from it
+    caught_up: float | None = None  # every frame sent before this was handled (None: all of them, up to now)
+
+    @property
+    def waited_until(self) -> float:
+        """The clock of every wait for evidence ("judged once all members reported, or after N s"): behind a
+        backlog of frames not handled yet, the evidence that seems late may be queued, and a vote on part of
+        it misses the rank whose report is still in the queue. Never more than MAX_BACKLOG_S behind now."""
+        return evidence_clock(self.now, self.caught_up)
 
     @property
     def replicas(self) -> list[int]:
@@ -53,6 +64,13 @@ class JobView:
         """Several live ranks compute on one GPU (their timings then mix)."""
         devices = [self.ranks[r].state.device for r in self.live if self.ranks[r].state.device]
         return len(devices) != len(set(devices))
+
+
+def evidence_clock(now: float, caught_up: float | None) -> float:
+    """How far evidence waits have run at `now` when every frame sent before `caught_up` was handled."""
+    if caught_up is None:
+        return now
+    return max(min(now, caught_up), now - MAX_BACKLOG_S)
 
 
 @dataclass

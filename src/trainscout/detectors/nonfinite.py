@@ -21,7 +21,7 @@ class NonFiniteDetector(DetectorBase):
         self.done = False
 
     def judge(self, view: JobView) -> Judgement:
-        return findings_only(self.update(view.now, dict(view.ranks)))
+        return findings_only(self.update(view.waited_until, dict(view.ranks)))
 
     def update(self, now: float, ranks: dict[int, RankObs]) -> list[Finding]:
         if self.done:

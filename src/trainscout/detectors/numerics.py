@@ -114,7 +114,7 @@ class NumericDetector(DetectorBase):
 
     def judge(self, view: JobView) -> Judgement:
         """A statistical outlier is a suspect: it is named only once replay and the state check confirmed it."""
-        return Judgement(asks=[Confirm(s) for s in self.update(view.now, view.classes)])
+        return Judgement(asks=[Confirm(s) for s in self.update(view.waited_until, view.classes)])
 
     def add(
         self,

@@ -38,7 +38,7 @@ class ReplayDetector(DetectorBase):
                 self.add(st.rank, st.replays, now)
 
     def judge(self, view: JobView) -> Judgement:
-        return findings_only(self.update(view.now, view.replicas))
+        return findings_only(self.update(view.waited_until, view.replicas))
 
     def close(self) -> Judgement:
         return Judgement(counters={"replays_compared": self.replays_compared})

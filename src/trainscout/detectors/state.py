@@ -45,7 +45,7 @@ class ReplicaStateDetector(DetectorBase):
                 self.add(st.rank, st.replica_group, [r for r in st.state if not is_hpz_record(r)], now)
 
     def judge(self, view: JobView) -> Judgement:
-        return findings_only(self.update(view.now, dict(view.members), view.live))
+        return findings_only(self.update(view.waited_until, dict(view.members), view.live))
 
     def close(self) -> Judgement:
         return Judgement(counters={"state_ranges_compared": self.compared})

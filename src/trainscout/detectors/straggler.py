@@ -150,7 +150,7 @@ class StragglerDetector(DetectorBase):
 
     def judge(self, view: JobView) -> Judgement:
         self.shared_gpu = view.shared_gpu  # ranks competing for one GPU
-        out = Judgement(findings=self.update(view.now, view.live, view.members))
+        out = Judgement(findings=self.update(view.now, view.live, view.members, waited_until=view.waited_until))
         wanted = self.comm.take_request()
         if wanted is not None:
             pg, members, before_s, now_s = wanted
@@ -171,13 +171,21 @@ class StragglerDetector(DetectorBase):
     def add_links(self, rank: int, links: list[LinkRecord], now: float) -> None:
         self.comm.add_links(rank, links, now)
 
-    def update(self, now: float, live: set[int], members: Mapping[str, list[int]] | None = None) -> list[Finding]:
-        """Judge the steps every live rank reported (or that waited long enough); `members`: the process
-        groups as the coordinator knows them (None: as the ranks' records show them)."""
+    def update(
+        self,
+        now: float,
+        live: set[int],
+        members: Mapping[str, list[int]] | None = None,
+        waited_until: float | None = None,
+    ) -> list[Finding]:
+        """Judge the steps every live rank reported (or that waited long enough, up to `waited_until`: see
+        JobView.waited_until); `members`: the process groups as the coordinator knows them (None: as the ranks'
+        records show them)."""
         findings: list[Finding] = []
+        waited = now if waited_until is None else waited_until
         for step in sorted(self._pending):
             entry = self._pending[step]
-            if not live <= set(entry["ranks"]) and now - entry["t"] < self.wait_s:
+            if not live <= set(entry["ranks"]) and waited - entry["t"] < self.wait_s:
                 break  # steps are judged in order
             del self._pending[step]
             recs = entry["ranks"]
