@@ -471,6 +471,18 @@ def test_nonfinite_origin_is_the_early_minority():
     assert (f.kind, f.culprit_ranks, f.step, f.status) == ("nonfinite", [2], 31, "attributed")
 
 
+def test_nonfinite_origin_unsettled_at_the_end_of_the_job_is_decided_then():
+    # a loss scaler skipping every step holds the peers at step 12: they never pass the origin's step 13
+    ranks = {r: obs(r, [pg(1)], step=12) for r in WORLD}
+    ranks[2] = obs(2, [pg(1)], step=12, nonfinite=[NonFiniteEvent(step=13, what="grad 0.weight")])
+    det = NonFiniteDetector(wait_s=3.0)
+    view = JobView(now=0.0, ranks=ranks, seen=ranks, live=set(WORLD), members={}, classes={})
+    assert det.judge(view).findings == []
+    (f,) = det.close().findings
+    assert (f.kind, f.culprit_ranks, f.step, f.status) == ("nonfinite", [2], 13, "attributed")
+    assert NonFiniteDetector().close().findings == []  # nothing reported, nothing named
+
+
 def test_nonfinite_everywhere_at_once_is_inconclusive():
     ranks = {r: obs(r, [pg(1)], step=31, nonfinite=[NonFiniteEvent(step=31, what="loss")]) for r in WORLD}
     (f,) = NonFiniteDetector().update(0.0, ranks)

@@ -219,3 +219,72 @@ def test_the_loss_is_tested_on_every_step_whatever_the_stride():
         step()
     step(poison_loss=True)
     assert [(r[5], r[7].strip()) for r in records] == [(4, "loss")]
+
+
+def _watched_scaler(monkeypatch, check, enabled=True):
+    """A real torch.amp GradScaler whose `scale` the check watches (the class is restored after the test)."""
+    from torch.amp import grad_scaler
+
+    monkeypatch.setattr(grad_scaler.GradScaler, "scale", grad_scaler.GradScaler.scale)
+    check.watch_loss_scaler(grad_scaler)
+    return grad_scaler.GradScaler("cpu", init_scale=2.0**16, enabled=enabled)
+
+
+def test_a_loss_scalers_overflow_is_named_only_once_it_persists(monkeypatch):
+    params = _params()
+    check, run_check = _check_with(params, fused=True)
+    scaler = _watched_scaler(monkeypatch, check)
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert scaler.scale(loss).item() == 2.0**17 and check.loss_scaling
+    grad = params["layer1.weight"].grad
+    dummy = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([dummy], lr=0.1)
+
+    def step_ends():  # the scaler's step (taken or skipped) and update, as a training loop calls them
+        dummy.grad = torch.zeros(1)
+        scaler.step(opt)
+        scaler.update()
+
+    # overflows now and then, on this replica only: the scaler skips those steps, nobody is named
+    for overflow in (True, False, True, True, False):
+        grad[0] = math.inf if overflow else 0.5
+        assert run_check() == []
+        step_ends()
+    # one overflow carried through 12 accumulated micro-batches of one step: one scale, nobody is named
+    grad[0] = math.inf
+    assert [run_check() for _ in range(12)] == [[]] * 12
+    step_ends()
+    grad[0] = 0.5
+    assert run_check() == []
+    # non-finite in every pass, step after step, whatever the scale: named at the 8th pass in a row
+    grad[0] = math.nan
+    for _ in range(nonfinite.SCALED_OVERFLOW_PASSES - 1):
+        assert run_check() == []
+        step_ends()
+    (text,) = run_check()
+    assert text.startswith("grad layer1.weight (in 8 backward passes in a row")
+
+
+def test_a_disabled_loss_scaler_leaves_the_check_as_it_is(monkeypatch):
+    params = _params()
+    check, run_check = _check_with(params, fused=True)
+    scaler = _watched_scaler(monkeypatch, check, enabled=False)
+    scaler.scale(torch.tensor(2.0, requires_grad=True))
+    assert not check.loss_scaling
+    params["layer1.weight"].grad[0] = math.inf
+    assert run_check() == ["grad layer1.weight"]
+
+
+def test_deepspeeds_dynamic_loss_scaler_is_watched_too(monkeypatch):
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    cls = loss_scaler.DynamicLossScaler
+    for name in ("scale_loss", "update_scale"):  # restored after the test
+        monkeypatch.setattr(cls, name, getattr(cls, name))
+    monkeypatch.setattr(cls, "_trainscout_watched", False, raising=False)
+    check, _ = _check_with(_params())
+    check.watch_loss_scaler(loss_scaler)
+    check.watch_loss_scaler(loss_scaler)  # a second import hook call wraps nothing twice
+    scaler = cls(init_scale=2.0**16, scale_window=1000, min_scale=1.0, delayed_shift=1, consecutive_hysteresis=False)
+    assert scaler.scale_loss(torch.tensor(3.0)).item() == 3.0 * 2.0**16 and check.loss_scaling
+    scaler.update_scale(False)  # (an overflow logs through DeepSpeed's process group)
+    assert check._scaler_updates == 1 and scaler.cur_iter == 1

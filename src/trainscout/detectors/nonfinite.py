@@ -7,6 +7,8 @@ passed the origin step with finite values, the origin is named.
 
 from __future__ import annotations
 
+import math
+
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.detectors.observations import RankObs, rank_list
 from trainscout.findings import NONFINITE, Finding
@@ -19,9 +21,16 @@ class NonFiniteDetector(DetectorBase):
         self.wait_s = wait_s
         self.first_seen: float | None = None
         self.done = False
+        self._ranks: dict[int, RankObs] = {}
 
     def judge(self, view: JobView) -> Judgement:
-        return findings_only(self.update(view.waited_until, dict(view.ranks)))
+        self._ranks = dict(view.ranks)
+        return findings_only(self.update(view.waited_until, self._ranks))
+
+    def close(self) -> Judgement:
+        """The job ended: nothing more will come to settle the origin (peers held at its step by a loss scaler
+        that skips every step never pass it), so decide on what was reported."""
+        return findings_only(self.update(math.inf, self._ranks) if self.first_seen is not None else [])
 
     def update(self, now: float, ranks: dict[int, RankObs]) -> list[Finding]:
         if self.done:

@@ -52,6 +52,12 @@ if TYPE_CHECKING:  # types only: the CUDA path is imported on first use
     from trainscout.probe.nonfinite_cuda import Layout
 
 NONFINITE_PG_INDEX = -2
+# Under a dynamic loss scaler (fp16 AMP) gradients overflow by design now and then, on some replicas only (their
+# batches differ), and the scaler skips that step everywhere and lowers the scale: a rank is named only once its
+# gradients were non-finite in this many checked backward passes in a row, across as many scaler updates less one
+# (accumulated micro-batches carry one overflow through every pass of their step, at one scale). Its loss is then
+# not judged alone: a scaled loss overflows with its gradients, and a NaN loss makes them NaN.
+SCALED_OVERFLOW_PASSES = 8
 _MAX_REPORTS = 8
 _GRAD = operator.attrgetter("grad")  # map() over C-level getters: half the host time of a Python loop
 _NBYTES = operator.attrgetter("nbytes")
@@ -120,14 +126,66 @@ class NonFiniteCheck:
         self._charge = True  # False while the current call lays out or compiles
         self._judge_calls = 0
         self.on_cpu = on_cpu  # told the training-thread CPU of the end-of-backward check (not user compute)
+        self.loss_scaling = False  # an enabled loss scaler scaled a loss (watch_loss_scaler)
+        self._pass = 0  # checked backward passes (a scaler's skipped step repeats the step number)
+        self._overflow_run = 0  # ... in a row, up to the last one, with non-finite gradients
+        self._overflow_pass = -1
+        self._scaler_updates = 0  # the scaler's update() calls: one per optimizer step, taken or skipped
+        self._overflow_updates0 = 0  # ... when the current run of non-finite passes began
+
+    def watch_loss_scaler(self, module) -> None:
+        """Notice a dynamic loss scaler (torch.amp's GradScaler, FSDP's ShardedGradScaler, DeepSpeed's
+        DynamicLossScaler) scaling a loss: from then on a non-finite gradient must persist to be named
+        (SCALED_OVERFLOW_PASSES); count its updates, one per optimizer step."""
+        if hasattr(module, "DynamicLossScaler"):  # DeepSpeed's fp16 (its static LossScaler skips nothing)
+            cls, names, enabled = module.DynamicLossScaler, ("scale_loss", "update_scale"), None
+        else:
+            cls = getattr(module, "ShardedGradScaler", None) or module.GradScaler
+            names, enabled = ("scale", "update"), "is_enabled"
+        if vars(cls).get("_trainscout_watched"):
+            return
+        real_scale, real_update = getattr(cls, names[0]), getattr(cls, names[1])
+        check = self
+
+        def scale(scaler, *args, **kwargs):
+            if not check.loss_scaling and (enabled is None or getattr(scaler, enabled)()):
+                check.loss_scaling = True
+            return real_scale(scaler, *args, **kwargs)
+
+        def update(scaler, *args, **kwargs):
+            check._scaler_updates += 1
+            return real_update(scaler, *args, **kwargs)
+
+        for name, real, wrapper in zip(names, (real_scale, real_update), (scale, update)):
+            wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+            wrapper.__doc__ = real.__doc__
+            setattr(cls, name, wrapper)
+        cls._trainscout_watched = True
+
+    def _overflow_persists(self) -> bool:
+        """A non-finite gradient in the pass being judged, under a loss scaler: whether it persisted."""
+        if self._overflow_pass != self._pass:
+            if self._overflow_pass == self._pass - 1:
+                self._overflow_run += 1
+            else:
+                self._overflow_run, self._overflow_updates0 = 1, self._scaler_updates
+            self._overflow_pass = self._pass
+        updates = self._scaler_updates - self._overflow_updates0
+        return self._overflow_run >= SCALED_OVERFLOW_PASSES and updates >= SCALED_OVERFLOW_PASSES - 1
 
     def _report(self, what: str, name: str, step_offset: int = 1) -> None:
         # the step being computed: `step` optimizer steps are done (after the step hook: offset 0)
         self._report_at(self.get_step() + step_offset, what, name)
 
     def _report_at(self, step: int, what: str, name: str) -> None:
+        if self.loss_scaling and (what == "loss" or not self._overflow_persists()):
+            # a loss scaler's overflow, which it skips on every rank; a scaled loss overflows with its gradients
+            # and a NaN loss makes them NaN: under a scaler the gradients alone decide, once it persists
+            return
         if self.reports >= _MAX_REPORTS or (step, what) in self._reported_steps:
             return
+        if what == "grad" and self.loss_scaling:
+            name = f"{name} (in {self._overflow_run} backward passes in a row, whatever the loss scale)"
         self._reported_steps.add((step, what))
         self.reports += 1
         self.append(NONFINITE_PG_INDEX, step, 0, 0, time.time_ns(), step, "nonfinite", f"{what} {name}".strip())
@@ -249,6 +307,7 @@ class NonFiniteCheck:
         sums, self._sums = self._sums, []
         if not sums:
             return
+        self._pass += 1
         try:
             import torch
 
@@ -301,6 +360,7 @@ class NonFiniteCheck:
         if not self._cpu_armed:
             return
         self._cpu_armed = False
+        self._pass += 1
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             import torch
@@ -522,6 +582,7 @@ class NonFiniteCheck:
         a third payload entry (owner: item -> 0 for the loss, i for gradient i), the counting kernel's vector:
         non-finite elements per item, sums of squares per item, the loss (nonfinite_cuda's module docstring)."""
         step, names = payload[0], payload[1]
+        self._pass += 1
         if len(payload) > 2:
             owner = payload[2]
             values = np.asarray(values)

@@ -190,6 +190,13 @@ class Probe:
                 self._guarded(self.gather_check.wrap, "all-gather check"),
             )
         h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
+        if self.nonfinite is not None:
+            for module in (
+                "torch.amp.grad_scaler",
+                "torch.distributed.fsdp.sharded_grad_scaler",
+                "deepspeed.runtime.fp16.loss_scaler",
+            ):
+                h.on_import(module, self._guarded(self.nonfinite.watch_loss_scaler, "loss-scaler hook"))
         h.on_import("torch.utils.data.dataloader", self._guarded(self.timing.wrap_dataloader, "data-loader timing"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_torch_save, "checkpoint hook"))
         h.on_import("torch.serialization", self._guarded(self.checkpoints.wrap_renames, "checkpoint hook"))
