@@ -225,7 +225,9 @@ def _watched_scaler(monkeypatch, check, enabled=True):
     """A real torch.amp GradScaler whose `scale` the check watches (the class is restored after the test)."""
     from torch.amp import grad_scaler
 
-    monkeypatch.setattr(grad_scaler.GradScaler, "scale", grad_scaler.GradScaler.scale)
+    for name in ("scale", "update"):
+        monkeypatch.setattr(grad_scaler.GradScaler, name, getattr(grad_scaler.GradScaler, name))
+    monkeypatch.setattr(grad_scaler.GradScaler, "_trainscout_watched", False, raising=False)
     check.watch_loss_scaler(grad_scaler)
     return grad_scaler.GradScaler("cpu", init_scale=2.0**16, enabled=enabled)
 
@@ -288,3 +290,27 @@ def test_deepspeeds_dynamic_loss_scaler_is_watched_too(monkeypatch):
     assert scaler.scale_loss(torch.tensor(3.0)).item() == 3.0 * 2.0**16 and check.loss_scaling
     scaler.update_scale(False)  # (an overflow logs through DeepSpeed's process group)
     assert check._scaler_updates == 1 and scaler.cur_iter == 1
+
+
+def test_a_scaler_subclass_inheriting_a_watched_method_counts_each_update_once(monkeypatch):
+    from torch.amp import grad_scaler
+
+    class Inheriting(grad_scaler.GradScaler):  # overrides neither scale nor update
+        pass
+
+    class Module:  # a module exposing only the subclass, as FSDP's sharded_grad_scaler does
+        ShardedGradScaler = Inheriting
+
+    check, _ = _check_with(_params())
+    _watched_scaler(monkeypatch, check)  # the base class watched first
+    monkeypatch.setattr(Inheriting, "_trainscout_watched", False, raising=False)
+    check.watch_loss_scaler(Module)
+    assert "scale" not in vars(Inheriting) and "update" not in vars(Inheriting)
+    sub = Inheriting("cpu", init_scale=2.0**16)
+    sub.scale(torch.tensor(1.0, requires_grad=True))
+    dummy = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([dummy], lr=0.1)
+    dummy.grad = torch.zeros(1)
+    sub.step(opt)
+    sub.update()
+    assert check._scaler_updates == 1 and check.loss_scaling

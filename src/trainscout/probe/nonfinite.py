@@ -157,6 +157,8 @@ class NonFiniteCheck:
             return real_update(scaler, *args, **kwargs)
 
         for name, real, wrapper in zip(names, (real_scale, real_update), (scale, update)):
+            if hasattr(real, "__wrapped__"):
+                continue  # inherited from a scaler class already watched: wrapped twice, updates would count twice
             wrapper.__wrapped__ = real  # type: ignore[attr-defined]
             wrapper.__doc__ = real.__doc__
             setattr(cls, name, wrapper)
