@@ -46,6 +46,9 @@ Record = namedtuple("Record", RECORD_DTYPE.names)  # type: ignore[misc, arg-type
 RECENT_IN_DIGEST = 4
 KEEP_RECORDS = 4096
 MAX_ERRORS_PER_DIGEST = 16  # a burst beyond this is counted, not listed
+# a step record's timing fields in microseconds, as the probe writes them (step_timing.StepTiming._emit); the
+# values an older probe's shorter record lacks: data, ckpt, wait, gpu, gpu wait, run queue, probe thread, between
+_STEP_DEFAULTS = [0, 0, 0, -1, -1, -1, 0, -1]
 
 
 GAP_GIVE_UP_S = 3.0
@@ -296,7 +299,8 @@ class RankView:
             self._links_out.append(LinkRecord(request_id=rec.seq, step=rec.step, seconds=seconds))
             return
         times, _, groups = desc.partition("|")
-        us = [_int64(int(x)) for x in times.split(":")] + [0, 0, 0, -1, -1, -1, 0]  # older probes send fewer fields
+        us = [_int64(int(x)) for x in times.split(":")]
+        us += _STEP_DEFAULTS[len(us) :]  # older probes send fewer fields
         pg_wait = {}
         for part in filter(None, groups.split(",")):
             name, _, t = part.rpartition("=")
@@ -314,6 +318,7 @@ class RankView:
                 pg_wait=pg_wait,
                 runq_s=us[5] / 1e6 if us[5] >= 0 else -1.0,
                 probe_thread_s=us[6] / 1e6,
+                between_s=us[7] / 1e6 if us[7] >= 0 else -1.0,
             )
         )
 

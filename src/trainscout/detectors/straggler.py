@@ -23,7 +23,8 @@ ranks report it), else CPU time. With two ranks there is no majority: a rank who
 8 steps and over the last 32, AND who waits less for the other in the gradient sync (it arrives last) is
 named, at lower confidence.
 Only durations measured on one clock are compared, so no cross-host clock agreement is needed.
-A uniformly slow job has no outlier. Communication stragglers are comm_straggler.py's.
+A uniformly slow job has no outlier. Rank 0's own work between steps (evaluation, logging) is observed, not
+named (side_work.py). Communication stragglers are comm_straggler.py's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, LinkProbe
 from trainscout.detectors.periodicity import LOOKBACK, regular_period
+from trainscout.detectors.side_work import MainRankSideWork
 from trainscout.detectors.time_split import (
     BLOCKED,
     BLOCKED_SHARED_GPU,
@@ -139,6 +141,7 @@ class StragglerDetector(DetectorBase):
         self.steps_evaluated = 0
         self.compute_measure = "cpu"  # "gpu" once every rank reports GPU times
         self.comm = CommStragglerWatch()
+        self.side_work = MainRankSideWork()  # rank 0's evaluation and logging between steps: observed, not named
         self.trace: deque = deque(maxlen=400)  # recent (step, metric, samples, outliers), for diagnosis
 
     def observe(self, digest: NodeDigest, now: float) -> None:
@@ -151,6 +154,7 @@ class StragglerDetector(DetectorBase):
     def judge(self, view: JobView) -> Judgement:
         self.shared_gpu = view.shared_gpu  # ranks competing for one GPU
         out = Judgement(findings=self.update(view.now, view.live, view.members, waited_until=view.waited_until))
+        out.events, self.side_work.observations = self.side_work.observations, []
         wanted = self.comm.take_request()
         if wanted is not None:
             pg, members, before_s, now_s = wanted
@@ -192,6 +196,7 @@ class StragglerDetector(DetectorBase):
             if step <= 1 or len(recs) < 2:
                 continue  # the first step carries start-up
             self.steps_evaluated += 1
+            self.side_work.note(step, recs)
             compute_flagged = False
             for metric in METRICS:
                 found, flagged = self._judge(step, recs, metric)
@@ -203,7 +208,7 @@ class StragglerDetector(DetectorBase):
                 compute_flagged |= bool(watch.flagged)
             self.comm.observe(step, recs, compute_flagged, now, members)
         findings.extend(self.comm.judge(now))
-        return findings
+        return self.side_work.keep(findings)
 
     # ---- per step ------------------------------------------------------------------------------
     def _samples(self, recs: dict[int, StepRecord], metric: Metric) -> dict[int, float]:

@@ -477,10 +477,23 @@ class FaultInjector:
     # ---- collectives -------------------------------------------------------------------------------
 
     def _straggle(self, step: int, params: Mapping[str, Any]) -> None:
-        """Extra CPU work: `factor` times this rank's own CPU time per step (measured before the fault)."""
+        """Extra CPU work: `factor` times this rank's own CPU time per step (measured before the fault), done
+        at the start of the next training forward (inside the step, as a slower CPU would), or at once when
+        the model is unknown."""
         if step % int(params.get("every", 1)):
             return
-        target = float(params["factor"]) * getattr(self, "_cpu_per_step", 0.0)
+        self._straggle_due = float(params["factor"]) * getattr(self, "_cpu_per_step", 0.0)
+        model = getattr(self, "_model", None)
+        if model is None or not hasattr(model, "register_forward_pre_hook"):
+            self._burn_due()
+        elif getattr(self, "_straggle_hooked", None) is not model:
+            self._straggle_hooked = model
+            model.register_forward_pre_hook(lambda module, args: self._burn_due() if module.training else None)
+
+    def _burn_due(self) -> None:
+        target, self._straggle_due = getattr(self, "_straggle_due", 0.0), 0.0
+        if target <= 0:
+            return
         t0 = time.process_time()
         while time.process_time() - t0 < target:
             sum(i * i for i in range(2000))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import os
 import signal
 import time
@@ -184,6 +185,10 @@ class Probe:
             self._guarded(self.tap.patch_functional, "functional collective tap"),
         )
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
+        h.on_import(
+            "torch.distributed.fsdp._fully_shard._fully_shard",
+            self._guarded(self._hook_fully_shard, "step timing (FSDP forward)"),
+        )
         if self.gather_check is not None:
             h.on_import(
                 "torch.distributed.fsdp._fully_shard._fully_shard",
@@ -412,12 +417,42 @@ class Probe:
                         bucket_views=bool(getattr(ddp, "gradient_as_bucket_view", False)),
                     )
                 probe.model = ddp.module
+                probe._mark_training_forward(ddp)
                 probe._attach_replay(ddp)
             except Exception as exc:
                 probe.report_error(f"DDP introspection failed: {exc!r}")
 
         __init__.__wrapped__ = real_init  # type: ignore[attr-defined]
         cls.__init__ = __init__
+
+    def _hook_fully_shard(self, module) -> None:
+        """FSDP2: each unit `fully_shard` makes marks the step's first training forward (the root's comes first)."""
+        real = module.fully_shard
+        probe = self
+
+        def fully_shard(mod, *args, **kwargs):
+            result = real(mod, *args, **kwargs)
+            try:
+                probe._mark_training_forward(result if result is not None else mod)
+            except Exception:
+                pass  # fail open: sharding itself must not be affected
+            return result
+
+        # fully_shard carries attributes its own code uses (fully_shard.state(module)): keep them all
+        module.fully_shard = functools.wraps(real)(fully_shard)
+
+    def _mark_training_forward(self, model) -> None:
+        """A forward pre-hook on the trained model: its first forward of a step in training mode with autograd
+        on ends the time between steps (step_timing). Evaluation (autograd off or eval mode) does not."""
+        import torch
+
+        timing, pid, grad_enabled = self.timing, self.pid, torch.is_grad_enabled
+
+        def training_forward(module, args) -> None:
+            if module.training and grad_enabled() and os.getpid() == pid:
+                timing.training_forward()
+
+        model.register_forward_pre_hook(training_forward)
 
     def _attach_replay(self, ddp) -> None:
         if self.replay is None or self._side_group is None:
@@ -457,11 +492,12 @@ class Probe:
         self.writer.set("step", self.step)
         self.writer.set("step_ns", time.monotonic_ns())
         self.timing.after_step(self.step)
-        probe_cpu0 = time.thread_time()
+        probe_cpu0, probe_wall0 = time.thread_time(), time.perf_counter()
         try:
             self._checks_after_step(optimizer)
         finally:  # the probe's own checks are not the rank's compute (straggler timing)
             self.timing.exclude_cpu(time.thread_time() - probe_cpu0)
+            self.timing.exclude_wall(time.perf_counter() - probe_wall0)
         if self.injector is not None:  # injected extra compute is the rank's: counted
             self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
 

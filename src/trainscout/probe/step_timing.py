@@ -20,6 +20,10 @@ Measured per optimizer step, all as durations on this rank's own clocks:
   cores: 10-40 ms a step): that delay belongs to the wait, so it is read at each wait's ends and left out.
 What is left of the wall time (minus compute, wait, data, checkpoint and starved) is time the thread
 was off the CPU of its own accord: sleeping, blocked in I/O or on a lock.
+- between steps: time from the previous optimizer step to this step's first training forward (a forward of
+  the DDP / FSDP model in training mode with autograd on), minus data loading, checkpoint writes, collective
+  waits and the probe's own checks: where a script does work of its own between steps (evaluation, logging)
+  on some ranks only. Data fetched with autograd off (an evaluation loop's loader) is not data loading.
 One record per step; the coordinator compares ranks.
 """
 
@@ -99,6 +103,9 @@ class StepTiming:
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
         self.probe_cpu_s = 0.0  # CPU the probe's own checks took on the training thread: not "compute" either
+        self.probe_wall_s = 0.0  # ... and their wall time this step: not the script's time between steps
+        self._between_s = -1.0  # previous optimizer step -> first training forward (-1: no forward seen)
+        self._grad_enabled: Callable[[], bool] | None = None  # torch.is_grad_enabled, once torch is loaded
         self.wait_s = 0.0
         self.pg_wait: dict[str, float] = {}  # Python-level collective time per process group, this step
         self._backward_end: float | None = None
@@ -113,7 +120,8 @@ class StepTiming:
         self._ev_start = None
         self._ev_backward = None
         self._ev_pre = None
-        self._gpu_pending: deque = deque()  # (record fields, A, B, C, collective pairs)
+        self._ev_forward = None  # M: the step's first training forward (between A and B)
+        self._gpu_pending: deque = deque()  # (record fields, A, B, C, M or None, collective pairs)
         self._free_events: list = []
         # Python-level collectives between A and B (e.g. a logged loss all-reduced after the optimizer step):
         # the training stream waits there for the slowest rank, which is not this rank's compute
@@ -144,6 +152,22 @@ class StepTiming:
     def exclude_cpu(self, seconds: float) -> None:
         """The probe spent this much CPU on the training thread (its checks, not the user's compute)."""
         self.probe_cpu_s += seconds
+
+    def exclude_wall(self, seconds: float) -> None:
+        """... and this much wall time (after the optimizer step: not time the script spent between steps)."""
+        self.probe_wall_s += seconds
+
+    def training_forward(self) -> None:
+        """A forward of the trained model in training mode with autograd on (the probe's hook): the first one
+        of a step ends the time between steps."""
+        if self._between_s < 0:
+            spent = time.perf_counter() - self._wall
+            self._between_s = max(0.0, spent - self.data_s - self.ckpt_s - self.wait_s - self.probe_wall_s)
+            if self._cuda is not None and self._ev_start is not None:
+                try:  # the GPU side too: work queued between steps (an evaluation's kernels) runs later there
+                    self._ev_forward = self._event()
+                except Exception:
+                    self._ev_forward = None
 
     def collective_begin(self):
         """Before a blocking Python-level collective: (the run-queue clock, an event on the training stream on
@@ -192,6 +216,7 @@ class StepTiming:
             int(self._host_to_backward_s * 1e6),
             runq_us,
             self._other_us(),
+            int(self._between_s * 1e6) if self._between_s >= 0 else -1,
         )
         pairs, self._coll_events = self._coll_events, []
         if (
@@ -200,13 +225,14 @@ class StepTiming:
             and self._ev_backward is not None
             and self._ev_pre is not None
         ):
-            self._gpu_pending.append((fields, self._ev_start, self._ev_backward, self._ev_pre, pairs))
+            events = (self._ev_start, self._ev_backward, self._ev_pre, self._ev_forward)
+            self._gpu_pending.append((fields, *events, pairs))
         else:
             self._emit(fields, -1, -1)
         if self._cuda is not None:
             try:
                 self._ev_start = self._event()
-                self._ev_backward = self._ev_pre = None
+                self._ev_backward = self._ev_pre = self._ev_forward = None
                 if step % DRAIN_EVERY == 0:
                     self._drain_gpu()
             except Exception:  # fail open: no GPU timings from now on, CPU ones go on
@@ -219,6 +245,7 @@ class StepTiming:
             self.total_wall_s += self.last_wall_s
         self._wall, self._cpu = wall, cpu
         self.data_s = self.ckpt_s = self.io_cpu_s = self.probe_cpu_s = self.wait_s = self._host_to_backward_s = 0.0
+        self.probe_wall_s, self._between_s = 0.0, -1.0
         self.pg_wait = {}
         self._backward_end = None
 
@@ -246,13 +273,13 @@ class StepTiming:
         return max(0, int((now - last) * 1e6))
 
     def _emit(self, fields: tuple, gpu_us: int, gpu_wait_us: int) -> None:
-        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us, runq_us, other_us = fields
+        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us, runq_us, other_us, between_us = fields
         if gpu_us >= 0:
             # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
             # waiting for its own host, and a host a few % slower reads as a GPU 10x slower. The longer
             # of the two spans is the rank's own time to the end of backward.
             gpu_us = max(gpu_us, host_us)
-        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}"
+        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}:{between_us}"
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
         self.append(STEP_PG_INDEX, step, cpu_ns, wall_ns, time.time_ns(), step, "step", desc)
@@ -280,7 +307,7 @@ class StepTiming:
 
     def _drain_gpu(self, force: bool = False) -> None:
         while self._gpu_pending:
-            fields, a, b, c, pairs = self._gpu_pending[0]
+            fields, a, b, c, m, pairs = self._gpu_pending[0]
             if not (c.query() and b.query()):  # non-blocking; later steps complete later
                 if force or len(self._gpu_pending) > _GPU_PENDING_MAX:
                     self._gpu_pending.popleft()
@@ -290,6 +317,10 @@ class StepTiming:
             self._gpu_pending.popleft()
             coll_ms = sum(x.elapsed_time(y) for x, y in pairs)  # recorded before B: complete with it
             span_ms = a.elapsed_time(b)
+            if m is not None:  # the GPU's time between steps, less the collectives waited for there
+                before_ms = a.elapsed_time(m) - sum(x.elapsed_time(y) for x, y in pairs if m.elapsed_time(y) <= 0)
+                fields = (*fields[:-1], max(fields[-1], int(max(0.0, before_ms) * 1e3)))
+                self._free_events.append(m)
             self._emit(fields, int(max(0.0, span_ms - coll_ms) * 1e3), int((b.elapsed_time(c) + coll_ms) * 1e3))
             self._free_events.extend((a, b, c))
             for pair in pairs:
@@ -331,6 +362,10 @@ class StepTiming:
         timing = self
 
         def __next__(it):
+            if timing._grad_enabled is None:
+                timing._grad_enabled = sys.modules["torch"].is_grad_enabled
+            if not timing._grad_enabled():
+                return real(it)  # an evaluation loop's batch: not the training's data loading
             t0, c0 = time.perf_counter(), time.thread_time()
             q0 = timing._runq.read() if timing._runq is not None else None
             try:

@@ -520,6 +520,7 @@ class Supervisor:
         notes.extend(self.restarts.gap_lines())
         notes.extend(monitoring_gap_lines(os.path.join(self.run_dir, "events.jsonl")))
         notes.extend(attempt_lines_of(os.path.join(self.run_dir, "events.jsonl")))
+        notes.extend(observation_lines(os.path.join(self.run_dir, "events.jsonl")))
         write_summary_or_say(
             self.console,
             os.path.join(self.run_dir, "summary.md"),
@@ -534,6 +535,16 @@ class Supervisor:
         report_html.write_report_at_exit(self.run_dir)
         n = len(findings)
         self.console.info(f"{n} finding{'s' if n != 1 else ''}; report: {os.path.join(self.run_dir, 'summary.md')}")
+
+
+def observation_lines(events_path: str) -> list[str]:
+    """What the detectors saw and chose not to name (rank 0's own work between steps), so a report with no
+    finding still says what slowed the job."""
+    lines = []
+    for e in read_objects(events_path):
+        if e.get("kind") == "main_rank_side_work" and isinstance(e.get("summary"), str):
+            lines.append(f"observation, not a fault: {e['summary']}")
+    return lines
 
 
 def monitoring_gap_lines(events_path: str) -> list[str]:

@@ -97,6 +97,9 @@ class StepRecord(msgspec.Struct, array_like=True):
     pg_wait: dict[str, float] = {}  # Python-level collective time per process group name
     runq_s: float = -1.0  # the training thread was runnable but had no CPU (run-queue delay; -1: unknown)
     probe_thread_s: float = 0.0  # the probe's own thread worked this long meanwhile (the GIL may have been its)
+    # previous optimizer step -> this step's first training forward, less data loading, checkpoint writes,
+    # collective waits and the probe's checks: the script's own work between steps (-1: no forward seen)
+    between_s: float = -1.0
 
 
 class NumericRecord(msgspec.Struct, array_like=True):

@@ -1,0 +1,59 @@
+"""Rank 0's evaluation between steps on the CUDA paths: 4 gloo DDP ranks share the GPU (>= 3 replicas).
+
+The evaluation's kernels run on the GPU after the optimizer step, where the step's GPU span starts: the time
+between steps is measured on the GPU too (an event at the first training forward), so rank 0 is not named
+for it. Held up as long inside its training forward, rank 0 is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+JOB = Path(__file__).resolve().parents[1] / "integration" / "side_work_job.py"
+STEPS = 120
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
+    run_id = f"side-work-cuda-{mode}"
+    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id]
+    cmd += ["--console", "plain", "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    cmd += ["--master-port", str(_port()), str(JOB), mode, str(STEPS), str(tmp_path / "eval.log"), "cuda"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ))
+    run = tmp_path / run_id
+
+    def lines(name: str) -> list[dict]:
+        path = run / name
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+    return done, lines("findings.jsonl"), lines("events.jsonl")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rank_0_evaluating_on_the_gpu_between_steps_names_nobody(tmp_path):
+    done, findings, events = _run(tmp_path, "eval")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert findings == [], findings
+    observed = [e for e in events if e.get("kind") == "main_rank_side_work"]
+    assert observed and all(e["rank"] == 0 for e in observed), events[-20:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rank_0_held_up_inside_its_forward_on_the_gpu_is_named(tmp_path):
+    done, findings, events = _run(tmp_path, "forward")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert findings and all(f["kind"] == "straggler" and f["culprit_ranks"] == [0] for f in findings), findings
+    assert not [e for e in events if e.get("kind") == "main_rank_side_work"]

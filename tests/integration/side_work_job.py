@@ -1,0 +1,63 @@
+"""A DDP job whose rank 0 evaluates and logs between steps ("eval"), or is held up inside its training forward
+("forward"), as often and as long; "none": neither. Used by tests/integration/test_main_rank_side_work.py and
+tests/gpu/test_side_work_cuda.py (ranks sharing one GPU, over gloo).
+
+    torchrun --nproc-per-node 4 side_work_job.py MODE STEPS LOG_PREFIX [cpu|cuda]
+"""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+mode, steps, log_prefix = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(device)
+model = torch.nn.parallel.DistributedDataParallel(net)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+held = {"step": 0}
+
+
+def held_up(module, args):  # "forward" mode: rank 0 slowed inside its training forward
+    if module.training and held["step"] % 10 == 0 and held["step"] > 0:
+        time.sleep(0.3)
+
+
+if mode == "forward" and rank == 0:
+    net[2].register_forward_pre_hook(held_up)
+evaluation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 64)), batch_size=8)
+
+
+def evaluate(log):
+    model.eval()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=device)
+        while time.perf_counter() - t0 < 0.15:
+            for (x,) in evaluation:
+                total += model(x.to(device)).sum()
+        score = float(total)  # an evaluation reads its result back
+    model.train()
+    time.sleep(0.15)  # the log write
+    log.write(f"evaluated {score:.3f}\n")
+    log.flush()
+
+
+torch.manual_seed(100 + rank)
+with open(f"{log_prefix}.{rank}", "w") as log:
+    for step in range(1, steps + 1):
+        held["step"] = step
+        x, y = torch.randn(32, 64, device=device), torch.randint(0, 8, (32,), device=device)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if mode == "eval" and rank == 0 and step % 10 == 0:
+            evaluate(log)
+        time.sleep(0.01)
+dist.destroy_process_group()

@@ -1,0 +1,56 @@
+"""Rank 0 evaluating and logging between steps is the script's choice; rank 0 slowed inside its step is a fault.
+
+Four gloo DDP ranks train under `trainscout run`, unmodified. In "eval" mode rank 0 alone evaluates every 10
+steps after the optimizer step (an evaluation DataLoader and forwards with autograd off and the model in eval
+mode, then a blocking log write), as scripts do: its peers wait for it in the next gradient sync. Nothing is
+wrong with it, and naming it would blame a healthy rank. In "forward" mode rank 0 is held up as long, as
+often, inside the training forward (a pre-hook on one layer): that is a straggler, named on rank 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, of_kind, run_under_trainscout, torchrun_cmd
+
+pytestmark = pytest.mark.slow
+
+STEPS = 120
+
+JOB = Path(__file__).resolve().parent / "side_work_job.py"
+
+
+def _run(tmp_path, mode: str):
+    launch = torchrun_cmd(
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        str(JOB),
+        mode,
+        str(STEPS),
+        str(tmp_path / "eval.log"),
+    )
+    return run_under_trainscout(tmp_path, f"side-work-{mode}", launch)
+
+
+def test_rank_0_evaluating_between_steps_names_nobody(tmp_path):
+    result = _run(tmp_path, "eval")
+
+    assert result.returncode == 0, result.describe()
+    assert result.findings == [], result.describe()
+    observed = [e for e in result.events if e.get("kind") == "main_rank_side_work"]
+    assert observed and all(e["rank"] == 0 for e in observed), result.describe()
+    assert "observation, not a fault: rank 0 spends" in (result.run_path / "summary.md").read_text()
+
+
+def test_rank_0_held_up_inside_its_forward_is_named(tmp_path):
+    result = _run(tmp_path, "forward")
+
+    assert result.returncode == 0, result.describe()
+    stragglers = of_kind(result.findings, "straggler")
+    assert stragglers and all(f["culprit_ranks"] == [0] for f in stragglers), result.describe()
+    assert len(stragglers) == len(result.findings), result.describe()
+    assert not [e for e in result.events if e.get("kind") == "main_rank_side_work"], result.describe()

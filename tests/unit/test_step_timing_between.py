@@ -1,0 +1,69 @@
+"""The time a rank spends between steps (probe/step_timing.py): from the optimizer step to the next training
+forward, less data loading, waits and the probe's own checks; an evaluation loop's batches are not data."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from trainscout.probe.step_timing import StepTiming
+
+
+def _timing():
+    records = []
+    timing = StepTiming(lambda *rec: records.append(rec))
+    return timing, records
+
+
+def _between_us(records) -> int:
+    desc = records[-1][-1]
+    return int(desc.partition("|")[0].split(":")[7])
+
+
+def test_work_before_the_training_forward_is_time_between_steps():
+    timing, records = _timing()
+    timing.after_step(1)
+    time.sleep(0.03)  # the script's own work: evaluation, logging
+    timing.training_forward()
+    time.sleep(0.02)  # the training step itself
+    timing.training_forward()  # a second micro-batch: not the step's first forward
+    timing.after_step(2)
+    assert 25_000 <= _between_us(records) < 45_000
+
+
+def test_data_waits_and_the_probes_own_checks_are_not_time_between_steps():
+    timing, records = _timing()
+    timing.after_step(1)
+    timing.exclude_wall(0.02)
+    timing.add_wait("0", 0.01)
+    timing.data_s += 0.005
+    time.sleep(0.036)
+    timing.training_forward()
+    timing.after_step(2)
+    assert _between_us(records) < 8_000
+
+
+def test_a_step_without_a_training_forward_reports_none():
+    timing, records = _timing()
+    timing.after_step(1)
+    timing.after_step(2)
+    assert _between_us(records) == -1
+
+
+def test_batches_fetched_with_autograd_off_are_not_data_loading():
+    import torch.utils.data.dataloader as dataloader
+
+    timing, _ = _timing()
+    cls = dataloader._BaseDataLoaderIter
+    real = cls.__next__
+    timing.wrap_dataloader(dataloader)
+    try:
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 2)), batch_size=8)
+        with torch.no_grad():
+            assert len(list(loader)) == 8  # an evaluation loop
+        assert timing.data_s == 0.0
+        assert len(list(loader)) == 8  # the training's batches
+        assert timing.data_s > 0.0
+    finally:
+        cls.__next__ = real
