@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-JOB = Path(__file__).resolve().parents[1] / "integration" / "side_work_job.py"
+JOB = Path(__file__).resolve().parents[1] / "integration" / "slow_rank_job.py"
 STEPS = 120
 
 

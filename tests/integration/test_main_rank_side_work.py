@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 120
 
-JOB = Path(__file__).resolve().parent / "side_work_job.py"
+JOB = Path(__file__).resolve().parent / "slow_rank_job.py"
 
 
 def _run(tmp_path, mode: str):

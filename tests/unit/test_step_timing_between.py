@@ -67,3 +67,29 @@ def test_batches_fetched_with_autograd_off_are_not_data_loading():
         assert timing.data_s > 0.0
     finally:
         cls.__next__ = real
+
+
+def _wait_us(records) -> int:
+    return int(records[-1][-1].partition("|")[0].split(":")[2])
+
+
+def test_the_gradient_sync_wait_ends_when_backward_returns():
+    timing, records = _timing()
+    timing.after_step(1)
+    timing.backward_ended()
+    time.sleep(0.01)  # DDP waits for its reduction in the engine's final callback
+    timing.backward_returned()
+    time.sleep(0.03)  # the script's own time before the optimizer step (a wrapped step, clipping)
+    timing.before_optimizer_step()
+    timing.after_step(2)
+    assert 8_000 <= _wait_us(records) < 25_000
+
+
+def test_without_backwards_return_the_wait_ends_at_the_optimizer_step():
+    timing, records = _timing()
+    timing.after_step(1)
+    timing.backward_ended()
+    time.sleep(0.02)
+    timing.before_optimizer_step()
+    timing.after_step(2)
+    assert _wait_us(records) >= 18_000

@@ -375,7 +375,12 @@ class Probe:
                         nonfinite.on_loss(t)
             except Exception:
                 pass  # fail open: timing and checks must never break backward
-            return real_backward(tensors, *args, **kwargs)
+            result = real_backward(tensors, *args, **kwargs)
+            try:
+                timing.backward_returned()  # the gradient reduction's wait ends here (step timing)
+            except Exception:
+                pass
+            return result
 
         backward.__wrapped__ = real_backward  # type: ignore[attr-defined]
         backward.__doc__ = real_backward.__doc__

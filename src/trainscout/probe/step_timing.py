@@ -12,7 +12,8 @@ Measured per optimizer step, all as durations on this rank's own clocks:
   compute either, and their share differs by rank role: a collective's root does more); on CUDA also the
   GPU time from the step's start to the end of backward (CUDA events, read back when complete: no sync);
 - wait: time blocked in collectives issued from Python (per process group) plus the gradient-sync wait
-  between the end of backward and the optimizer step (DDP / FSDP finish their reductions there);
+  from the end of backward's own work to backward's return (DDP / FSDP finish their reductions in the
+  engine's final callbacks; when backward is not seen returning, up to the optimizer step);
   on CUDA also that wait on the GPU (end of backward to the optimizer step, events on the same stream);
 - starved: time the training thread was runnable but not running (the kernel's run-queue delay,
   /proc/thread-self/schedstat) outside its collective waits: a rank that waits for a core, not for its
@@ -137,17 +138,27 @@ class StepTiming:
         if self._cuda is not None:
             self._ev_backward = self._event()
 
+    def backward_returned(self) -> None:
+        """backward() returned: DDP / FSDP waited for the gradient reduction in its final callbacks, after
+        `backward_ended`; what the script does from here to the optimizer step is its own (a wrapped or slow
+        optimizer step, gradient clipping), not a wait."""
+        self._end_sync_wait()
+
     def before_optimizer_step(self) -> None:
-        if self._backward_end is not None:
-            self.wait_s += time.perf_counter() - self._backward_end
-            self._backward_end = None
-            if self._runq_at_backward is not None:
-                now = self._runq.read() if self._runq is not None else None
-                if now is not None:
-                    self._runq_waiting += now - self._runq_at_backward
-                self._runq_at_backward = None
+        self._end_sync_wait()  # backward was not seen returning (called another way): the wait ends here
         if self._cuda is not None and self._ev_backward is not None:
             self._ev_pre = self._event()
+
+    def _end_sync_wait(self) -> None:
+        if self._backward_end is None:
+            return
+        self.wait_s += time.perf_counter() - self._backward_end
+        self._backward_end = None
+        if self._runq_at_backward is not None:
+            now = self._runq.read() if self._runq is not None else None
+            if now is not None:
+                self._runq_waiting += now - self._runq_at_backward
+            self._runq_at_backward = None
 
     def exclude_cpu(self, seconds: float) -> None:
         """The probe spent this much CPU on the training thread (its checks, not the user's compute)."""

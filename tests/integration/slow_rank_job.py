@@ -1,8 +1,14 @@
-"""A DDP job whose rank 0 evaluates and logs between steps ("eval"), or is held up inside its training forward
-("forward"), as often and as long; "none": neither. Used by tests/integration/test_main_rank_side_work.py and
+"""A DDP job with one rank slowed, as an independent tool or the script itself would do it:
+
+- "eval": rank 0 evaluates and logs between steps every 10 steps (the script's choice, not a fault);
+- "forward": rank 0 is held up as long, as often, inside its training forward;
+- "optimizer": rank 2's optimizer step is wrapped, and the wrapper sleeps 30 ms before the real step, from
+  step 30 on;
+- "none": nothing.
+Used by tests/integration/test_main_rank_side_work.py, test_slow_optimizer_step.py and
 tests/gpu/test_side_work_cuda.py (ranks sharing one GPU, over gloo).
 
-    torchrun --nproc-per-node 4 side_work_job.py MODE STEPS LOG_PREFIX [cpu|cuda]
+    torchrun --nproc-per-node 4 slow_rank_job.py MODE STEPS LOG_PREFIX [cpu|cuda]
 """
 
 import sys
@@ -30,6 +36,15 @@ def held_up(module, args):  # "forward" mode: rank 0 slowed inside its training 
 
 if mode == "forward" and rank == 0:
     net[2].register_forward_pre_hook(held_up)
+if mode == "optimizer" and rank == 2:
+    real_step = opt.step
+
+    def slow_step(*args, **kwargs):
+        if held["step"] >= 30:
+            time.sleep(0.03)
+        return real_step(*args, **kwargs)
+
+    opt.step = slow_step
 evaluation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 64)), batch_size=8)
 
 
