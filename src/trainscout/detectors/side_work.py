@@ -1,16 +1,17 @@
-"""Work the job's main rank does between steps: a script's choice, not a fault.
+"""Work the job's main rank does between steps every N steps: a script's choice, not a fault.
 
-Scripts evaluate, log and save on rank 0 only, between an optimizer step and the next forward, and the other
-ranks wait for it in the next gradient sync: rank 0 reads as a straggler (every N steps for an evaluation,
-every step for a slow logger), though nothing is wrong with it. Each rank reports the time between its
-optimizer step and its next training forward, less data loading, checkpoint writes, collective waits and the
-probe's own checks (StepRecord.between_s). A straggler finding on the main rank whose flagged steps are
-explained by that time (in most of them it exceeds its peers' by MIN_S, and over them its median excess is at
-least half of the median time its peers waited for it) is an observation, not a finding.
+Scripts evaluate, log and save on rank 0 only, every N steps, between an optimizer step and the next forward,
+and the other ranks wait for it in the next gradient sync: rank 0 reads as an intermittent straggler, though
+nothing is wrong with it. Each rank reports the time between its optimizer step and its next training forward,
+less data loading, checkpoint writes, collective waits and the probe's own checks (StepRecord.between_s). An
+intermittent straggler finding on the main rank whose flagged steps are explained by that time (in most of
+them it exceeds its peers' by MIN_S, and over them its median excess is at least half of the median time its
+peers waited for it) is an observation, not a finding.
 
-What it costs: a fault that slows rank 0 between steps only (nothing in forward, backward, data loading or
-the optimizer step) is not named on rank 0; on any other rank it is. A rank starved of CPU, a slow device or
-a delay inside the training step slows the step itself and stays named on rank 0 too.
+What it costs: a fault that slows rank 0 every N steps between steps only (nothing in forward, backward, data
+loading or the optimizer step) is not named on rank 0; on any other rank it is, and so is one that slows rank 0
+between steps at every step. A rank starved of CPU, a slow device or a delay inside the training step slows
+the step itself and stays named on rank 0 too.
 
 Pure logic over plain step records: no torch, no I/O.
 """
@@ -67,7 +68,7 @@ class MainRankSideWork:
                 kept.append(f)
                 continue
             explained, excess_s = seen
-            where = f"every {f.evidence['period']} steps" if f.evidence.get("period") else "in most steps"
+            where = f"every {f.evidence.get('period')} steps"
             self.observations.append(
                 (
                     "main_rank_side_work",
@@ -91,7 +92,10 @@ class MainRankSideWork:
 
     def _explained(self, f: Finding) -> tuple[int, float] | None:
         """(explained flagged steps, median between-steps excess) when the finding is the main rank's side work."""
-        if f.kind != STRAGGLER or f.culprit_ranks != [MAIN_RANK]:
+        # intermittent only: evaluation, checkpoints and periodic logging come every N steps; a healthy script's
+        # per-step work on rank 0 (a printed loss) is far below a straggler's threshold, and a rank 0 slowed
+        # between steps at every step (a slow optimizer-step wrapper, a hook after the step) is named
+        if f.kind != STRAGGLER or f.culprit_ranks != [MAIN_RANK] or not f.evidence.get("intermittent"):
             return None
         known = [self._excess[s] for s in f.evidence.get("flagged_steps") or () if s in self._excess]
         if len(known) < MIN_STEPS:

@@ -29,9 +29,12 @@ from trainscout.wire.security import ServerGuard, secure_client
 _ZMQ_FRAME_LIMIT = 2 * DEFAULT_MAX_PAYLOAD + 1024
 AGENT_SEND_HWM = 1000
 # Messages zmq queues per connected peer before it stops reading that peer's socket (TCP pushes back on
-# the sender alone): with the frame limit, what one peer can make the coordinator hold, and the reason
-# one flooding peer cannot crowd the others out (the ROUTER reads its peers in turn).
-COORDINATOR_RECV_HWM_PER_PEER = 256
+# the sender alone, whose own queue then fills: AGENT_SEND_HWM): with the frame limit, what one peer can make
+# the coordinator hold, and the reason one flooding peer cannot crowd the others out (the ROUTER reads its
+# peers in turn). It bounds the whole job's backlog in the coordinator too: 12,544 agents (100k ranks) of
+# ~11 KB digests a second held it at 37 GiB behind a backlog with 256, 10 GiB with 32; 8 is at most ~1.1 GB
+# there (8 s of digests). A backlog beyond it waits in the agents' own send queues, not lost.
+COORDINATOR_RECV_HWM_PER_PEER = 8
 # Reason counted in `rejected` for a connection refused at the CURVE handshake.
 REJECT_HANDSHAKE = "handshake"
 _HANDSHAKE_FAILED = (
