@@ -19,12 +19,12 @@ Measured per optimizer step, all as durations on this rank's own clocks:
   /proc/thread-self/schedstat) outside its collective waits: a rank that waits for a core, not for its
   peers or its own work. A thread woken at the end of a wait often queues for a core too (4 ranks on 2
   cores: 10-40 ms a step): that delay belongs to the wait, so it is read at each wait's ends and left out.
-What is left of the wall time (minus compute, wait, data, checkpoint and starved) is time the thread
-was off the CPU of its own accord: sleeping, blocked in I/O or on a lock.
 - between steps: time from the previous optimizer step to this step's first training forward (a forward of
   the DDP / FSDP model in training mode with autograd on), minus data loading, checkpoint writes, collective
   waits and the probe's own checks: where a script does work of its own between steps (evaluation, logging)
   on some ranks only. Data fetched with autograd off (an evaluation loop's loader) is not data loading.
+What is left of the wall time (minus compute, wait, data, checkpoint and starved) is time the thread
+was off the CPU of its own accord: sleeping, blocked in I/O or on a lock.
 One record per step; the coordinator compares ranks.
 """
 
