@@ -2,7 +2,8 @@
 
 Real processes throughout: the demo job (4 CPU ranks under torchrun), its supervisor, agent and coordinator;
 the tools are killed with SIGKILL while the job trains, and a hang injected after the last kill must still be
-named once, within the bar's 15 s, with every monitoring gap in summary.md.
+named once, within the bar's 15 s, with every monitoring gap in summary.md and in the metrics the restarted
+coordinator serves.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import os
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Job, free_port, read_jsonl, torchrun_cmd, trainscout_cmd, unique_run_id
 
@@ -89,9 +92,26 @@ def _fault_fired_at(fault_log: Path) -> float:
     return float(hangs[0]["t"])
 
 
+def _tool_restart_metrics(url: str) -> dict[tuple[str, str], float]:
+    """(sample name, component) -> value of the trainscout_tool_* counters; {} while nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return {}
+    return {
+        (s.name, s.labels["component"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("trainscout_tool_")
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
 def run_with_kills(jobs, tmp_path: Path, kills_each: int, hang_step: int, steps: int) -> None:
     run_id = unique_run_id(f"heal{kills_each}")
     fault_log = tmp_path / "faults.jsonl"
+    metrics_port = free_port()
     args = trainscout_cmd(
         "run",
         "--run-dir",
@@ -102,6 +122,8 @@ def run_with_kills(jobs, tmp_path: Path, kills_each: int, hang_step: int, steps:
         "plain",
         "--abort-on",
         "hang",
+        "--metrics-port",
+        str(metrics_port),
         # every rank sleeps 100 ms a step: the hang's step is reached well after the last kill, however fast
         # or loaded the machine is
         "--inject",
@@ -127,6 +149,16 @@ def run_with_kills(jobs, tmp_path: Path, kills_each: int, hang_step: int, steps:
     assert not fault_log.exists() or "hang" not in fault_log.read_text(), (
         "the hang fired before the last kill: it must begin after them (raise hang_step)\n" + job.output()[-3000:]
     )
+    # the coordinator now serving (restarted kills_each times) counts every restart and the time each tool was down
+    deadline, served = time.monotonic() + 20, {}
+    while time.monotonic() < deadline:
+        served = _tool_restart_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+        if served.get(("trainscout_tool_restarts_total", "coordinator")) == kills_each:
+            break
+        time.sleep(0.5)
+    for component in COMPONENTS:
+        assert served.get(("trainscout_tool_restarts_total", component)) == kills_each, served
+        assert served[("trainscout_tool_down_seconds_total", component)] > 0.0, served
     result = job.wait(timeout=300)  # the job runs past its kills: longer than most
 
     hangs = [f for f in result.raw_findings if f["kind"] == "hang"]

@@ -3,6 +3,7 @@ with prometheus-client's own parser."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -180,3 +181,43 @@ def test_a_large_job_gets_series_for_its_slowest_ranks_and_aggregates_over_all()
     assert set(got["trainscout_rank_up"]) == {(("rank", "1"),), (("rank", "3"),)}
     assert got["trainscout_ranks_exported"][()] == 2 and got["trainscout_ranks_seen"][()] == 5
     assert got["trainscout_step_seconds_median"][()] == pytest.approx(0.1)  # over every rank
+
+
+def test_tool_restarts_and_their_gaps_are_served_from_the_supervisors_events(tmp_path):
+    """A restarted coordinator serves the gaps of every earlier death, its own included: they are read from the
+    supervisor's event log (written by the real EventLog) at scrape time."""
+    path = tmp_path / "events.supervisor.jsonl"
+    log = EventLog(str(path))
+    m = RunMetrics(supervisor_events=str(path))
+    url = m.serve(0, "127.0.0.1")
+    try:
+        got = _scrape(url)
+        assert got["trainscout_tool_restarts_total"] == {(("component", "agent"),): 0.0, (("component", "coordinator"),): 0.0}
+        for component, down in (("agent", 0.0), ("coordinator", 0.0), ("agent", 0.0)):
+            log.write("tool_died", component=component, code=-9, restart_in_s=0.5)
+            log.write("tool_restarted", component=component, restart=1, pid=1)
+        log.write("tool_died", component="coordinator", code=-9, restart_in_s=1.0)  # down now: not yet a restart
+        log.close()
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        died = [e["t"] for e in lines if e["kind"] == "tool_died"]
+        back = [e["t"] for e in lines if e["kind"] == "tool_restarted"]
+        got = _scrape(url)
+        assert got["trainscout_tool_restarts_total"] == {(("component", "agent"),): 2.0, (("component", "coordinator"),): 1.0}
+        down = got["trainscout_tool_down_seconds_total"]
+        assert down[(("component", "agent"),)] == pytest.approx(back[0] - died[0] + back[2] - died[2])
+        assert down[(("component", "coordinator"),)] == pytest.approx(back[1] - died[1])
+    finally:
+        m.close()
+
+
+def test_tool_restarts_skip_lines_of_another_shape():
+    from trainscout.sinks.metrics import tool_restarts
+
+    events = [
+        {"kind": "tool_died", "component": "agent", "t": 10.0},
+        {"kind": "tool_restarted", "component": 7, "t": 11.0},  # not a name
+        {"kind": "tool_restarted", "component": "agent", "t": "late"},  # not a time
+        {"kind": "tool_restarted", "component": "agent", "t": 12.5},
+        {"kind": "tool_restarted", "component": "coordinator", "t": 20.0},  # its death was never written
+    ]
+    assert tool_restarts(events) == {"agent": (1, 2.5), "coordinator": (1, 0.0)}

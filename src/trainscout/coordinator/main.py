@@ -170,7 +170,15 @@ class Coordinator:
         self._caught_up: float | None = None  # when the run loop last found no frame waiting (None: not running)
         # optional outputs: Prometheus metrics (--metrics-port) and findings posted to webhooks (--notify)
         self.metrics = (
-            run_metrics.start(metrics_port, metrics_addr, console.info, console.warn, self.events, metrics_max_ranks)
+            run_metrics.start(
+                metrics_port,
+                metrics_addr,
+                console.info,
+                console.warn,
+                self.events,
+                metrics_max_ranks,
+                supervisor_events=os.path.join(run_dir, "events.supervisor.jsonl"),
+            )
             if metrics_port
             else None
         )

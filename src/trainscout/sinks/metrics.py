@@ -18,7 +18,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,9 @@ RANK_GAUGES = (
 class RunMetrics:
     """The run's metrics in a registry of their own; `serve` exposes them over HTTP."""
 
-    def __init__(self, max_ranks: int = 512, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_ranks: int = 512, clock: Callable[[], float] = time.monotonic, supervisor_events: str = ""
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter
 
         self.clock = clock
@@ -171,6 +173,8 @@ class RunMetrics:
             "trainscout_notify_failures", "Findings that could not be posted to a --notify endpoint", registry=reg
         )
         reg.register(_ViewCollector(self))
+        if supervisor_events:
+            reg.register(_ToolRestartCollector(supervisor_events))
         self.server: Any = None
         self.url = ""
 
@@ -210,6 +214,52 @@ class RunMetrics:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+
+def tool_restarts(events: Iterable[dict]) -> dict[str, tuple[int, float]]:
+    """(restarts, seconds down) per component from the supervisor's tool_died / tool_restarted events: the
+    gaps a killed agent or coordinator left, including those before this coordinator started."""
+    died: dict[str, float] = {}
+    out: dict[str, tuple[int, float]] = {}
+    for e in events:
+        name, t = e.get("component"), e.get("t")
+        if not isinstance(name, str) or not isinstance(t, (int, float)):
+            continue
+        if e.get("kind") == "tool_died":
+            died.setdefault(name, float(t))
+        elif e.get("kind") == "tool_restarted":
+            n, down = out.get(name, (0, 0.0))
+            out[name] = (n + 1, down + max(0.0, float(t) - died.pop(name, float(t))))
+    return out
+
+
+class _ToolRestartCollector:
+    """trainscout's own processes restarted by the supervisor, read from its event log at scrape time (the
+    coordinator serving them may itself be a restarted one)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        from trainscout.sinks.jsonl import read_objects
+
+        gaps = tool_restarts(read_objects(self.path))
+        restarts = CounterMetricFamily(
+            "trainscout_tool_restarts", "Times the supervisor restarted a dead agent or coordinator", labels=["component"]
+        )
+        down = CounterMetricFamily(
+            "trainscout_tool_down_seconds",
+            "Seconds an agent or coordinator was down before its restart (monitoring gaps)",
+            labels=["component"],
+        )
+        for name in ("agent", "coordinator"):
+            n, seconds = gaps.get(name, (0, 0.0))
+            restarts.add_metric([name], n)
+            down.add_metric([name], seconds)
+        yield restarts
+        yield down
 
 
 class _ViewCollector:
@@ -275,6 +325,7 @@ def start(
     warn: Callable[[str], None],
     events: Any,
     max_ranks: int = 512,
+    supervisor_events: str = "",
 ) -> RunMetrics | None:
     """The coordinator's metrics, served on addr:port; None (with a warning and an event) if they cannot be:
     monitoring goes on without them."""
@@ -282,7 +333,7 @@ def start(
         warn(f"metrics not served: {INSTALL_HINT} is not installed")
         events.write("metrics_failed", reason="prometheus-client not installed")
         return None
-    metrics = RunMetrics(max_ranks)
+    metrics = RunMetrics(max_ranks, supervisor_events=supervisor_events)
     try:
         url = metrics.serve(port, addr)
     except OSError as exc:
