@@ -192,8 +192,11 @@ def test_tool_restarts_and_their_gaps_are_served_from_the_supervisors_events(tmp
     url = m.serve(0, "127.0.0.1")
     try:
         got = _scrape(url)
-        assert got["trainscout_tool_restarts_total"] == {(("component", "agent"),): 0.0, (("component", "coordinator"),): 0.0}
-        for component, down in (("agent", 0.0), ("coordinator", 0.0), ("agent", 0.0)):
+        assert got["trainscout_tool_restarts_total"] == {
+            (("component", "agent"),): 0.0,
+            (("component", "coordinator"),): 0.0,
+        }
+        for component in ("agent", "coordinator", "agent"):
             log.write("tool_died", component=component, code=-9, restart_in_s=0.5)
             log.write("tool_restarted", component=component, restart=1, pid=1)
         log.write("tool_died", component="coordinator", code=-9, restart_in_s=1.0)  # down now: not yet a restart
@@ -202,7 +205,10 @@ def test_tool_restarts_and_their_gaps_are_served_from_the_supervisors_events(tmp
         died = [e["t"] for e in lines if e["kind"] == "tool_died"]
         back = [e["t"] for e in lines if e["kind"] == "tool_restarted"]
         got = _scrape(url)
-        assert got["trainscout_tool_restarts_total"] == {(("component", "agent"),): 2.0, (("component", "coordinator"),): 1.0}
+        assert got["trainscout_tool_restarts_total"] == {
+            (("component", "agent"),): 2.0,
+            (("component", "coordinator"),): 1.0,
+        }
         down = got["trainscout_tool_down_seconds_total"]
         assert down[(("component", "agent"),)] == pytest.approx(back[0] - died[0] + back[2] - died[2])
         assert down[(("component", "coordinator"),)] == pytest.approx(back[1] - died[1])

@@ -247,7 +247,9 @@ class _ToolRestartCollector:
 
         gaps = tool_restarts(read_objects(self.path))
         restarts = CounterMetricFamily(
-            "trainscout_tool_restarts", "Times the supervisor restarted a dead agent or coordinator", labels=["component"]
+            "trainscout_tool_restarts",
+            "Times the supervisor restarted a dead agent or coordinator",
+            labels=["component"],
         )
         down = CounterMetricFamily(
             "trainscout_tool_down_seconds",
