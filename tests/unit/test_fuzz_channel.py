@@ -97,10 +97,10 @@ collective = st.tuples(
 described = st.tuples(st.just("detail"), st.integers(0, 1), st.integers(1, 40), u64, name)
 state = st.tuples(st.just("state"), st.integers(0, 1), u64, small, small, small)
 timing = st.tuples(
-    # 7 fields from an older probe, 8 with the time between steps
+    # 7 fields from an older probe, 8 with the time between steps, 9 with the wait for DataLoader workers
     st.just("step"),
     small,
-    st.lists(small, min_size=7, max_size=8),
+    st.lists(small, min_size=7, max_size=9),
     st.dictionaries(name, small, max_size=2),
 )
 link = st.tuples(st.just("link"), small, small, st.dictionaries(st.integers(0, 9999), small, max_size=6))
@@ -187,8 +187,14 @@ def test_the_agent_view_reads_valid_records_unchanged(recs):
             view.refresh()
             steps, links, replays, state = view.take_steps(), view.take_links(), view.take_replays(), view.take_state()
             want_steps = [r for r in recs if r[0] == "step"]
-            assert [(s.step, round(s.data_s * 1e6), s.pg_wait, s.between_s) for s in steps] == [
-                (r[1], r[2][0], {k: v / 1e6 for k, v in r[3].items()}, r[2][7] / 1e6 if len(r[2]) > 7 else -1.0)
+            assert [(s.step, round(s.data_s * 1e6), s.pg_wait, s.between_s, s.data_workers_s) for s in steps] == [
+                (
+                    r[1],
+                    r[2][0],
+                    {k: v / 1e6 for k, v in r[3].items()},
+                    r[2][7] / 1e6 if len(r[2]) > 7 else -1.0,
+                    r[2][8] / 1e6 if len(r[2]) > 8 else 0.0,
+                )
                 for r in want_steps
             ]
             assert [(lr.request_id, lr.seconds) for lr in links] == [

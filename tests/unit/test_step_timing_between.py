@@ -93,3 +93,38 @@ def test_without_backwards_return_the_wait_ends_at_the_optimizer_step():
     timing.before_optimizer_step()
     timing.after_step(2)
     assert _wait_us(records) >= 18_000
+
+
+class _SlowItems(torch.utils.data.Dataset):
+    """Each item takes 5 ms to make, in whichever process makes it."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i):
+        time.sleep(0.005)
+        return torch.zeros(2)
+
+
+def test_waiting_for_dataloader_workers_is_reported_apart_from_loading_in_the_rank():
+    """A worker process's batch is waited for, not loaded, by the rank: the step reports that part on its own
+    (its healthy waits come in bursts on a busy machine, and are judged over longer windows)."""
+    import torch.utils.data.dataloader as dataloader
+
+    timing, records = _timing()
+    cls = dataloader._BaseDataLoaderIter
+    real = cls.__next__
+    timing.wrap_dataloader(dataloader)
+    try:
+        timing.after_step(1)
+        assert len(list(torch.utils.data.DataLoader(_SlowItems(), batch_size=4))) == 4  # in the rank
+        timing.after_step(2)
+        in_rank = [int(x) for x in records[-1][-1].partition("|")[0].split(":")]
+        assert in_rank[0] >= 60_000 and in_rank[8] == 0
+        workers = torch.utils.data.DataLoader(_SlowItems(), batch_size=4, num_workers=1, prefetch_factor=1)
+        assert len(list(workers)) == 4
+        timing.after_step(3)
+        from_workers = [int(x) for x in records[-1][-1].partition("|")[0].split(":")]
+        assert from_workers[8] > 0 and from_workers[8] == from_workers[0]
+    finally:
+        cls.__next__ = real

@@ -48,6 +48,7 @@ _GPU_PENDING_MAX = 256
 # Completed steps' events are read every DRAIN_EVERY steps, several at a time (each read is mostly fixed host
 # cost on the training thread; the step records reach the agent a few steps later).
 DRAIN_EVERY = 4
+BETWEEN_FIELD = 10  # index of the time between steps in a step's fields (the GPU may raise it later)
 
 
 class RunQueueClock:
@@ -101,6 +102,7 @@ class StepTiming:
         self._runq_waiting = 0.0  # run-queue delay inside this step's collective waits (part of the wait)
         self._runq_at_backward: float | None = None
         self.data_s = 0.0
+        self.data_workers_s = 0.0  # the part of data_s spent waiting for DataLoader worker processes
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
         self.probe_cpu_s = 0.0  # CPU the probe's own checks took on the training thread: not "compute" either
@@ -228,6 +230,7 @@ class StepTiming:
             runq_us,
             self._other_us(),
             int(self._between_s * 1e6) if self._between_s >= 0 else -1,
+            int(self.data_workers_s * 1e6),
         )
         pairs, self._coll_events = self._coll_events, []
         if (
@@ -256,7 +259,7 @@ class StepTiming:
             self.total_wall_s += self.last_wall_s
         self._wall, self._cpu = wall, cpu
         self.data_s = self.ckpt_s = self.io_cpu_s = self.probe_cpu_s = self.wait_s = self._host_to_backward_s = 0.0
-        self.probe_wall_s, self._between_s = 0.0, -1.0
+        self.probe_wall_s, self._between_s, self.data_workers_s = 0.0, -1.0, 0.0
         self.pg_wait = {}
         self._backward_end = None
 
@@ -284,13 +287,26 @@ class StepTiming:
         return max(0, int((now - last) * 1e6))
 
     def _emit(self, fields: tuple, gpu_us: int, gpu_wait_us: int) -> None:
-        step, cpu_ns, wall_ns, data_us, ckpt_us, wait_us, pg_wait, host_us, runq_us, other_us, between_us = fields
+        (
+            step,
+            cpu_ns,
+            wall_ns,
+            data_us,
+            ckpt_us,
+            wait_us,
+            pg_wait,
+            host_us,
+            runq_us,
+            other_us,
+            between_us,
+            workers_us,
+        ) = fields
         if gpu_us >= 0:
             # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
             # waiting for its own host, and a host a few % slower reads as a GPU 10x slower. The longer
             # of the two spans is the rank's own time to the end of backward.
             gpu_us = max(gpu_us, host_us)
-        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}:{between_us}"
+        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}:{between_us}:{workers_us}"
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
         self.append(STEP_PG_INDEX, step, cpu_ns, wall_ns, time.time_ns(), step, "step", desc)
@@ -330,7 +346,8 @@ class StepTiming:
             span_ms = a.elapsed_time(b)
             if m is not None:  # the GPU's time between steps, less the collectives waited for there
                 before_ms = a.elapsed_time(m) - sum(x.elapsed_time(y) for x, y in pairs if m.elapsed_time(y) <= 0)
-                fields = (*fields[:-1], max(fields[-1], int(max(0.0, before_ms) * 1e3)))
+                between = max(fields[BETWEEN_FIELD], int(max(0.0, before_ms) * 1e3))
+                fields = (*fields[:BETWEEN_FIELD], between, *fields[BETWEEN_FIELD + 1 :])
                 self._free_events.append(m)
             self._emit(fields, int(max(0.0, span_ms - coll_ms) * 1e3), int((b.elapsed_time(c) + coll_ms) * 1e3))
             self._free_events.extend((a, b, c))
@@ -388,6 +405,8 @@ class StepTiming:
                 # sharing 2 busy cores a 0.6 ms fetch read 4-11 ms for ~10 steps on one healthy rank
                 queued = min(spent, q1 - q0) if q1 is not None else 0.0
                 timing.data_s += spent - queued
+                if getattr(it, "_num_workers", 0) > 0:  # waiting for a worker process's batch
+                    timing.data_workers_s += spent - queued
                 timing.io_cpu_s += time.thread_time() - c0
                 if spent > SLOW_FETCH_S:
                     timing._note_site("data")

@@ -100,6 +100,7 @@ class StepRecord(msgspec.Struct, array_like=True):
     # previous optimizer step -> this step's first training forward, less data loading, checkpoint writes,
     # collective waits and the probe's checks: the script's own work between steps (-1: no forward seen)
     between_s: float = -1.0
+    data_workers_s: float = 0.0  # the part of data_s spent waiting for DataLoader worker processes' batches
 
 
 class NumericRecord(msgspec.Struct, array_like=True):
