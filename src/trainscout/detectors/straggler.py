@@ -46,11 +46,13 @@ from trainscout.detectors.time_split import (
     BLOCKED,
     BLOCKED_SHARED_GPU,
     DATA,
+    DATA_WORKERS,
     STARVED,
     PartWatch,
     blocked_s,
     data_s,
     starved_s,
+    worker_wait_s,
 )
 from trainscout.findings import STRAGGLER, Finding
 from trainscout.markers import GPU_UNMEASURED
@@ -130,7 +132,12 @@ class StragglerDetector(DetectorBase):
         self._mid: dict[int, _SlidingMedian] = {}
         self._mid_flags: dict[int, deque] = {}
         # parts of the step's time straggler.py's metrics do not cover (time_split.py)
-        self.parts = [PartWatch(BLOCKED, blocked_s), PartWatch(DATA, data_s), PartWatch(STARVED, starved_s)]
+        self.parts = [
+            PartWatch(BLOCKED, blocked_s),
+            PartWatch(DATA, data_s),
+            PartWatch(DATA_WORKERS, worker_wait_s),
+            PartWatch(STARVED, starved_s),
+        ]
         self._waits: dict[int, deque] = {}  # rank -> collective wait, last FINE_WINDOW steps (arrival order)
         self._two_ratio: deque = deque(maxlen=TWO_RANK_WINDOW)  # 2 ranks: higher rank's compute / lower rank's
         self.intermittent_min = intermittent_min

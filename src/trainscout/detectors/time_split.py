@@ -25,6 +25,12 @@ on one rank is time its peers spend waiting for it). Persistence:
 flagged in `k` of the last `m` evaluations. Single steps far out (half a step's wall time, clear of the
 rest) at a regular interval, `intermittent_min` times, give an intermittent straggler with its period;
 smaller ones count only at an exactly regular interval.
+Blocked time that comes in bursts not aligned with steps (a rank stopped 10 ms every 100 ms, a CPU quota that
+throttles it once its share of a period is spent) is in no step's low order statistic and has no exact period:
+it is judged on means over DUTY_WINDOW steps (duty rule): the mean excess over the peers' means at least
+`abs_s`, `duty_rel` of a step and `z` times the spread of the ranks' means, clear of the rest, present in
+every quarter of the window, its peers waiting for it over the window, in DUTY_RUN evaluations in a row, so
+that a burst must last about 40 steps to count (a busy machine's bursts on healthy ranks last ~10).
 Three or more ranks; two have no majority (straggler.py's arrival-order rule covers compute for them).
 
 Pure logic over plain step records: no torch, no I/O.
@@ -32,17 +38,29 @@ Pure logic over plain step records: no torch, no I/O.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
 
 from trainscout.consensus.leave_one_out import max_without, median_without
-from trainscout.detectors.periodicity import LOOKBACK, regular_period
+from trainscout.detectors.periodicity import LOOKBACK, MAX_SLACK, regular_period
 from trainscout.findings import STRAGGLER, Finding
 
 SPREAD_STEPS = 64
 WARMUP_STEPS = 20
 MAD_TO_SIGMA = 1.4826
+# The duty rule: window means flagged this many evaluations in a row, each quarter of the window over its peers
+# by half the threshold: a busy machine's burst on a healthy rank (~10 steps) fills at most three quarters, and a
+# single spike in the fourth lasts one evaluation of the run, not all of them.
+DUTY_RUN = 16
+DUTY_PARTS = 4
+DUTY_PART_SHARE = 0.5
+# A progression of spikes counts when random spikes at its peers' rate over the last RATE_WINDOW steps had
+# at most CHANCE of making it; each rank's last SPIKE_LOG spikes are kept for that rate.
+RATE_WINDOW = 200
+CHANCE = 1e-4
+SPIKE_LOG = 256
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,9 @@ class Part:
     # a rank's level over its window: its median (-1), or its `low`-th smallest value (0: its least), so that
     # only a part that is high in nearly every step of the window counts, not a burst that fills half of it
     low: int = -1
+    # the duty rule (0: off): a rank's mean over this many steps, `duty_rel` of a step over its peers' means
+    duty_window: int = 0
+    duty_rel: float = 0.0
 
 
 # Its level is the second-smallest of its last 6 steps, not their median: on a machine with more ranks than
@@ -87,6 +108,8 @@ BLOCKED = Part(
     arrival=False,
     small_intermittent_min=6,
     what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)",
+    duty_window=32,
+    duty_rel=0.05,
 )
 # Several ranks on one GPU compete for it: which of them waits on its host for the GPU (a synchronising copy,
 # an allocation) is the GPU's scheduling, not a fault, and on the one-GPU machine with 4 ranks healthy ranks took
@@ -105,7 +128,7 @@ BLOCKED_SHARED_GPU = Part(
     arrival=False,
     what=BLOCKED.what,
 )
-# Time inside DataLoader iteration is steady on healthy ranks too (the demo's in-process loader: ~0.5 ms a
+# Time inside DataLoader iteration is steady on healthy ranks with an in-process loader (the demo's: ~0.5 ms a
 # batch): a blocking read of 5 ms a batch stands out like a blocked rank. Only ranks that loaded data in a step
 # are compared (a rank-0-only loader is a design choice, not a straggler).
 DATA = Part(
@@ -121,6 +144,27 @@ DATA = Part(
     intermittent_min=3,
     arrival=False,
     what="loading data (inside DataLoader iteration)",
+)
+# With worker processes (num_workers > 0) the rank waits for a worker's batch, and a worker is scheduled like
+# any process: with 4 ranks and their workers on 2 busy cores, healthy ranks waited 10-46 ms in about half the
+# steps of 5-10-step episodes, each rank in turn, and beside a CPU hog one rank's worker lagged 9-65 ms in 12
+# steps in a row: a 5-step median named 4 healthy ranks in one 300-step run. So a rank's level is its 4th
+# smallest wait of 16 steps (slow in nearly all of them, as a slow disk or a slow transform is), its peers must
+# wait for it, and it must hold for 12 of the last 16 evaluations: named about 25 steps after it began.
+DATA_WORKERS = Part(
+    "data_loading",
+    window=16,
+    low=3,
+    abs_s=0.002,
+    rel=0.04,
+    z=6.0,
+    k=12,
+    m=16,
+    spike_rel=0.5,
+    spike_abs_s=0.02,
+    intermittent_min=5,
+    arrival=True,
+    what="waiting for DataLoader workers' batches",
 )
 # Healthy ranks beside a CPU hog showed 8-step medians up to 58 ms over their peers' (1.4 steps): the scheduler
 # rotates whom it delays within a few tens of steps, so only a long, large excess is a starved core. One healthy
@@ -154,7 +198,14 @@ def blocked_s(rec) -> float | None:
 
 
 def data_s(rec) -> float | None:
-    return rec.data_s if rec.data_s > 0 else None
+    """Time loading data in the training process itself (None: it loaded nothing there this step)."""
+    own = rec.data_s - rec.data_workers_s
+    return own if own > 0 else None
+
+
+def worker_wait_s(rec) -> float | None:
+    """Time waiting for DataLoader worker processes' batches (None: no worker's batch this step)."""
+    return rec.data_workers_s if rec.data_workers_s > 0 else None
 
 
 def starved_s(rec) -> float | None:
@@ -174,7 +225,14 @@ class PartWatch:
         self._flags: dict[int, deque] = {}
         self._spikes: dict[int, deque] = {}
         self._small_spikes: dict[int, deque] = {}
+        # every rank's spikes over a longer span, big and small: the rate its peers spike at (base rate)
+        self._spike_log: dict[int, deque] = {}
+        self._small_log: dict[int, deque] = {}
+        self._first_step = -1  # the first step judged for spikes (the base rate's window starts there at most)
         self._reported: set[tuple[int, str]] = set()
+        self._duty: dict[int, deque] = {}  # (value, wait) per step over the duty window
+        self._duty_spread: deque = deque(maxlen=SPREAD_STEPS)
+        self._duty_run: dict[int, int] = {}
         self.trace: deque = deque(maxlen=64)  # recent evaluations that flagged someone
         self.flagged: set[int] = set()  # ranks flagged at the last step (a slow transport is then not suspected)
 
@@ -192,8 +250,12 @@ class PartWatch:
         for r, v in values.items():
             self._windows.setdefault(r, deque(maxlen=p.window)).append(v)
             self._waits.setdefault(r, deque(maxlen=p.window)).append(recs[r].wait_s)
+            if p.duty_window:
+                self._duty.setdefault(r, deque(maxlen=p.duty_window)).append((v, recs[r].wait_s))
         # a usual step's wall time: the spike's own step is as long for every rank (they waited for it)
         out = self._spike(step, values, _median(self._walls))
+        if p.duty_window:
+            out += self._judge_duty(step, set(values), _median(self._walls))
         windowed = {r: _median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
         # a suspect's own level may be a low order statistic (high in nearly every step); its peers' stays their
         # median: a steady rank beside peers whose values scatter both ways is not higher than they are
@@ -265,10 +327,75 @@ class PartWatch:
             },
         )
 
+    def _judge_duty(self, step: int, present: set[int], level: float) -> list[Finding]:
+        """The duty rule (see the module's docstring): a part high on average, in bursts, not in every step."""
+        p = self.part
+        full = {r: w for r, w in self._duty.items() if r in present and len(w) == p.duty_window}
+        if len(full) < 3:
+            return []
+        size = p.duty_window // DUTY_PARTS
+        means, parts, waits = {}, {}, {}
+        for r, w in full.items():
+            values = [v for v, _ in w]
+            means[r] = sum(values) / len(values)
+            parts[r] = [sum(values[i * size : (i + 1) * size]) / size for i in range(DUTY_PARTS)]
+            waits[r] = sum(x for _, x in w) / len(w)
+        ordered = sorted(means.values())
+        centre = _median(ordered)
+        spread = _median(abs(v - centre) for v in ordered)
+        sigma = MAD_TO_SIGMA * _median(self._duty_spread) if len(self._duty_spread) >= p.window else 0.0
+        self._duty_spread.append(spread)
+        if step <= WARMUP_STEPS + p.duty_window or len(self._duty_spread) < p.window:
+            return []
+        parts_sorted = [sorted(v[i] for v in parts.values()) for i in range(DUTY_PARTS)]
+        waits_sorted = sorted(waits.values())
+        out = []
+        for r, mean in means.items():
+            excess = mean - median_without(ordered, mean)
+            bar = max(p.abs_s, p.duty_rel * level, p.z * max(sigma, 1e-4))
+            hit = (
+                excess >= bar
+                and mean - max_without(ordered, mean) >= excess / 2  # clear of the rest
+                and all(
+                    parts[r][i] - median_without(parts_sorted[i], parts[r][i]) >= DUTY_PART_SHARE * bar
+                    for i in range(DUTY_PARTS)
+                )
+                and waits[r] <= median_without(waits_sorted, waits[r])  # its peers wait for it
+            )
+            run = self._duty_run[r] = self._duty_run.get(r, 0) + 1 if hit else 0
+            if run < DUTY_RUN or (r, "persistent") in self._reported or (r, "intermittent") in self._reported:
+                continue
+            self._reported.add((r, "persistent"))
+            share = excess / level if level > 0 else 0.0
+            out.append(
+                Finding(
+                    kind=STRAGGLER,
+                    culprit_ranks=[r],
+                    step=step,
+                    confidence=0.7,
+                    summary=(
+                        f"rank {r} is a straggler: it spends {excess * 1e3:.1f} ms a step more than its peers "
+                        f"{p.what} on average over its last {p.duty_window} steps ({share * 100:.0f}% of a step, "
+                        f"in bursts rather than every step, held for {run} steps); its peers wait for it"
+                    ),
+                    evidence={
+                        "type": p.label,
+                        "excess_s": round(excess, 6),
+                        "share_of_step": round(share, 3),
+                        "ratio": round(1 + share, 3),
+                        "duty": True,
+                        "basis": f"{p.duty_window}-step means of time {p.label}, statistical C3 against its peers",
+                    },
+                )
+            )
+        return out
+
     def _spike(self, step: int, values: dict[int, float], wall: float) -> list[Finding]:
         p = self.part
         if step <= WARMUP_STEPS or p.intermittent_min > LOOKBACK:
             return []
+        if self._first_step < 0:
+            self._first_step = step - 1
         out = []
         ordered = sorted(values.values())
         for r, v in values.items():
@@ -278,15 +405,23 @@ class PartWatch:
             big = excess >= max(p.spike_abs_s, p.spike_rel * wall)
             small = self._small_spikes.setdefault(r, deque(maxlen=LOOKBACK))
             small.append(step)
+            self._small_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if big:
                 self._spikes.setdefault(r, deque(maxlen=LOOKBACK)).append(step)
+                self._spike_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
                 continue
             found, need = None, p.intermittent_min
             if big:
                 found = regular_period(self._spikes[r], need)
+                found = (
+                    found
+                    if found and self._above_base_rate(r, step, found, self._spikes[r], self._spike_log, False)
+                    else None
+                )
             if found is None and p.small_intermittent_min:
                 found, need = regular_period(small, p.small_intermittent_min, exact=True), p.small_intermittent_min
+                found = found if found and self._above_base_rate(r, step, found, small, self._small_log, True) else None
             if found is None:
                 continue
             self._reported.add((r, "intermittent"))
@@ -312,6 +447,23 @@ class PartWatch:
                 )
             )
         return out
+
+    def _above_base_rate(self, rank: int, step: int, found, spikes, log: dict[int, deque], exact: bool) -> bool:
+        """Whether random spikes at the rate the rank's peers spike at could hardly have made the progression:
+        where healthy ranks spike now and then (a real job's first step at each new sequence length on CUDA:
+        ~80 ms blocked, every rank in turn, ~10 times in 60 steps), three of a rank's spikes fall on some
+        progression by chance; a rank slow every Nth step is named once its hits are that unlikely."""
+        since = max(self._first_step, step - RATE_WINDOW)
+        counts = sorted(sum(1 for s in steps if s > since) for r, steps in log.items() if r != rank)
+        rate = _median(counts) / max(1, step - since) if counts else 0.0
+        width = 1 if exact else 1 + 2 * min(found.period // 10, MAX_SLACK)  # steps a slot takes (periodicity.py)
+        slot = min(1.0, rate * width)
+        chance = sum(
+            math.comb(found.slots, k) * slot**k * (1 - slot) ** (found.slots - k)
+            for k in range(len(found.hits), found.slots + 1)
+        )
+        tried = max(1, math.comb(len(spikes), 2))  # progressions its spikes offer: an anchor and a period each
+        return chance * tried <= CHANCE
 
 
 def _level(window, low: int) -> float:
