@@ -9,7 +9,11 @@ with its own data seed:
   pause  `trainscout run -- torchrun ... trainscout.demo.train --pause-at 50 --pause-seconds 12`: every rank
          checkpoints and sleeps longer than the 5 s hang timeout, a job-wide pause that is not a hang;
   hog    the plain job while --hog-procs busy-looping processes (one per core by default) compete for the
-         machine's CPUs, slowing every rank: not a straggler either.
+         machine's CPUs, slowing every rank: not a straggler either;
+  real   examples/lm_train.py, a job written the way real ones are (DataLoader worker processes, 1 or 2 per
+         rank in turn, padded variable-length batches, bf16 autocast, gradient accumulation, clipping, an
+         evaluation every 50 steps and a rank-0 checkpoint every 100 between barriers): its steps are uneven
+         on every rank, and none of that is a fault.
 The kinds are interleaved so a burst of load on the shared machine does not fall on one kind only. A run
 passes when it has zero findings and exits 0.
 
@@ -49,6 +53,11 @@ def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str, seed: 
     if kind in ("plain", "hog", "six"):
         job = train_cmd("6" if kind == "six" else "4", args.steps, "--seed", str(seed), port=port)
         return under_trainscout(job, out, run_id)
+    if kind == "real":
+        script = str(Path(__file__).resolve().parents[2] / "examples" / "lm_train.py")
+        job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", port, script]
+        job += ["--steps", str(args.steps), "--seed", str(seed), "--workers", str(1 + seed % 2)]
+        return under_trainscout(job, out, run_id)
     if kind == "slow":
         return [
             PYTHON,
@@ -75,13 +84,14 @@ def demo_cmd(kind: str, args: argparse.Namespace, out: Path, run_id: str, seed: 
     raise ValueError(kind)
 
 
-def schedule(plain: int, slow: int, pause: int, hog: int = 0, six: int = 0) -> list[str]:
-    """Spread the slow, pause, hog and six-rank runs evenly among the plain ones."""
+def schedule(plain: int, slow: int, pause: int, hog: int = 0, six: int = 0, real: int = 0) -> list[str]:
+    """Spread the slow, pause, hog, six-rank and realistic runs evenly among the plain ones."""
     order: list[tuple[float, str]] = [((i + 0.5) / plain, "plain") for i in range(plain)]
     order += [((i + 0.9) / max(six, 1), "six") for i in range(six)]
     order += [((i + 0.33) / max(slow, 1), "slow") for i in range(slow)]
     order += [((i + 0.66) / max(pause, 1), "pause") for i in range(pause)]
     order += [((i + 0.8) / max(hog, 1), "hog") for i in range(hog)]
+    order += [((i + 0.15) / max(real, 1), "real") for i in range(real)]
     return [kind for _, kind in sorted(order)]
 
 
@@ -98,6 +108,7 @@ def main() -> int:
     parser.add_argument("--hog", type=int, default=4, help="runs beside a background CPU hog")
     parser.add_argument("--hog-procs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--six", type=int, default=0, help="runs with 6 ranks on the machine's cores")
+    parser.add_argument("--real", type=int, default=2, help="runs of examples/lm_train.py (a realistic job)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--slow-ms", type=float, default=30.0)
     parser.add_argument("--pause-at", type=int, default=50)
@@ -113,7 +124,7 @@ def main() -> int:
 
     rows: list[dict] = []
     counts: dict[str, int] = {}
-    for kind in schedule(args.plain, args.slow, args.pause, args.hog, args.six):
+    for kind in schedule(args.plain, args.slow, args.pause, args.hog, args.six, args.real):
         counts[kind] = counts.get(kind, 0) + 1
         run_id = f"clean-{kind}-{counts[kind]:02d}"
         cmd = demo_cmd(kind, args, out, run_id, seed=counts[kind])
@@ -173,7 +184,7 @@ def main() -> int:
     ]
     totals_header = ["kind", "runs", "runs with findings", "findings", "exit != 0"]
     totals = []
-    for kind in ("plain", "six", "slow", "pause", "hog"):
+    for kind in ("plain", "six", "slow", "pause", "hog", "real"):
         mine = [r for r in rows if r["kind"] == kind]
         if mine:
             totals.append(
