@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainscout.detectors.periodicity import regular_period
+from trainscout.detectors.periodicity import beyond_chance, peers_rate, regular_period
 
 
 def test_regular_spikes_give_their_period():
@@ -81,3 +81,22 @@ def test_scattered_spikes_over_thousands_of_steps_have_no_period():
     # a long true period still is one: a checkpoint every 500 steps, seen a step late once
     found = regular_period([1000, 1500, 2001, 2500, 3000], min_hits=4)
     assert found is not None and found.period == 500
+
+
+def test_a_progression_among_quiet_peers_is_beyond_chance_at_its_third_hit():
+    found = regular_period([100, 106, 112], 3)
+    assert found is not None and beyond_chance(found, rate=0.005, spikes_seen=3)
+
+
+def test_three_hits_among_peers_that_spike_in_eight_percent_of_steps_are_chance():
+    found = regular_period([31, 44, 57], 3)
+    assert found is not None and not beyond_chance(found, rate=0.08, spikes_seen=12)
+    six = regular_period([100, 106, 112, 118, 124, 130], 3)
+    assert six is not None and beyond_chance(six, rate=0.08, spikes_seen=12)
+
+
+def test_the_peers_rate_is_their_median_over_the_recent_window_without_the_suspect():
+    logs = {0: [30, 40, 50, 60], 1: [55], 2: [45, 58], 3: list(range(21, 101))}
+    # over steps 21..100 (80 steps), rank 3's peers spiked 4, 1 and 2 times: median 2
+    assert peers_rate(3, logs, step=100, first_step=20) == 2 / 80
+    assert peers_rate(0, logs, step=100, first_step=20) == 2 / 80  # ranks 1, 2, 3: 1, 2, 80

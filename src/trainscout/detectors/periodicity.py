@@ -8,7 +8,8 @@ finding to either; here a progression is accepted when it explains most of what 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 MIN_PERIOD = 3  # spikes closer together are a persistently slow rank, the persistent rule's case
@@ -68,3 +69,36 @@ def _progression(spikes: list[int], anchor: int, period: int, min_hits: int, exa
         return None
     hits = [slots[k] for k in sorted(slots)]
     return Period(period=round((hits[-1] - hits[0]) / last_slot), hits=hits, slots=last_slot + 1)
+
+
+# A progression counts when random spikes at the rate its peers spike at, over the last RATE_WINDOW steps,
+# had at most CHANCE of making one as full among the progressions the rank's own recent spikes offer.
+RATE_WINDOW = 200
+CHANCE = 1e-4
+
+
+def peers_rate(rank: int, logs: Mapping[int, Iterable[int]], step: int, first_step: int) -> float:
+    """The median rate (spikes per step) of the other ranks' spikes over the last RATE_WINDOW steps."""
+    since = max(first_step, step - RATE_WINDOW)
+    counts = sorted(sum(1 for s in steps if s > since) for r, steps in logs.items() if r != rank)
+    if not counts:
+        return 0.0
+    h = len(counts) // 2
+    mid = counts[h] if len(counts) % 2 else (counts[h - 1] + counts[h]) / 2
+    return mid / max(1, step - since)
+
+
+def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False) -> bool:
+    """Whether spikes at `rate` per step, at random, could hardly have made `found`: the binomial chance of
+    its hits on its slots (a slot spans the progression's slack), times the progressions `spikes_seen` spikes
+    offer (an anchor and a period each), at most CHANCE. Where healthy ranks spike now and then (a real job's
+    first step at each new sequence length on CUDA: ~80 ms on the driver, every rank in turn, ~10 times in 60
+    steps), three spikes fall on some progression by chance; a rank slow every Nth step is named once its
+    hits are that unlikely (among quiet peers: at once)."""
+    width = 1 if exact else 1 + 2 * min(found.period // 10, MAX_SLACK)
+    slot = min(1.0, rate * width)
+    chance = sum(
+        math.comb(found.slots, k) * slot**k * (1 - slot) ** (found.slots - k)
+        for k in range(len(found.hits), found.slots + 1)
+    )
+    return chance * max(1, math.comb(spikes_seen, 2)) <= CHANCE

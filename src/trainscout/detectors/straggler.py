@@ -40,13 +40,14 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, LinkProbe
-from trainscout.detectors.periodicity import LOOKBACK, regular_period
+from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, peers_rate, regular_period
 from trainscout.detectors.side_work import MainRankSideWork
 from trainscout.detectors.time_split import (
     BLOCKED,
     BLOCKED_SHARED_GPU,
     DATA,
     DATA_WORKERS,
+    SPIKE_LOG,
     STARVED,
     PartWatch,
     blocked_s,
@@ -144,6 +145,7 @@ class StragglerDetector(DetectorBase):
         self._pending: dict[int, dict] = {}  # step -> {"ranks": {rank: StepRecord}, "t": first seen}
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent (step, flagged, ratio)
         self._flag_steps: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent spike steps
+        self._flag_log: dict[str, dict[int, deque]] = {}  # metric -> rank -> spike steps (the peers' base rate)
         self._reported: set[tuple[int, str, str]] = set()
         self.steps_evaluated = 0
         self.compute_measure = "cpu"  # "gpu" once every rank reports GPU times
@@ -278,6 +280,7 @@ class StragglerDetector(DetectorBase):
         for r in samples:
             if r in spikes:
                 self._flag_steps.setdefault((r, metric.label), deque(maxlen=LOOKBACK)).append(step)
+                self._flag_log.setdefault(metric.label, {}).setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if r in windowed and step > WARMUP_STEPS:
                 hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
                 hit = r in outliers  # the ratio is read only for flagged steps (_persistent)
@@ -516,9 +519,14 @@ class StragglerDetector(DetectorBase):
         key = (rank, metric.label, "intermittent")
         if key in self._reported or (rank, metric.label, "persistent") in self._reported:
             return None  # a rank named slow at every step is not news when it is also slow at some
-        found = regular_period(self._flag_steps.get((rank, metric.label), []), self.intermittent_min)
+        spikes = self._flag_steps.get((rank, metric.label), [])
+        found = regular_period(spikes, self.intermittent_min)
         if found is None:
             return None  # not regular, or (nearly) every step: the persistent rule covers that
+        if not beyond_chance(
+            found, peers_rate(rank, self._flag_log.get(metric.label, {}), found.hits[-1], WARMUP_STEPS), len(spikes)
+        ):
+            return None  # its peers spike as often: a progression of their rate's chance (periodicity.py)
         self._reported.add(key)
         recent = found.hits[-self.intermittent_min :]
         return Finding(

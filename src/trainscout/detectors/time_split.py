@@ -38,13 +38,12 @@ Pure logic over plain step records: no torch, no I/O.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
 
 from trainscout.consensus.leave_one_out import max_without, median_without
-from trainscout.detectors.periodicity import LOOKBACK, MAX_SLACK, regular_period
+from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, peers_rate, regular_period
 from trainscout.findings import STRAGGLER, Finding
 
 SPREAD_STEPS = 64
@@ -56,11 +55,7 @@ MAD_TO_SIGMA = 1.4826
 DUTY_RUN = 16
 DUTY_PARTS = 4
 DUTY_PART_SHARE = 0.5
-# A progression of spikes counts when random spikes at its peers' rate over the last RATE_WINDOW steps had
-# at most CHANCE of making it; each rank's last SPIKE_LOG spikes are kept for that rate.
-RATE_WINDOW = 200
-CHANCE = 1e-4
-SPIKE_LOG = 256
+SPIKE_LOG = 256  # each rank's spikes kept for its peers' base rate (periodicity.peers_rate)
 
 
 @dataclass(frozen=True)
@@ -412,16 +407,15 @@ class PartWatch:
             if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
                 continue
             found, need = None, p.intermittent_min
+            # a progression among peers that spike too must be beyond their rate's chance (periodicity.py)
             if big:
                 found = regular_period(self._spikes[r], need)
-                found = (
-                    found
-                    if found and self._above_base_rate(r, step, found, self._spikes[r], self._spike_log, False)
-                    else None
-                )
+                rate = peers_rate(r, self._spike_log, step, self._first_step)
+                found = found if found and beyond_chance(found, rate, len(self._spikes[r])) else None
             if found is None and p.small_intermittent_min:
                 found, need = regular_period(small, p.small_intermittent_min, exact=True), p.small_intermittent_min
-                found = found if found and self._above_base_rate(r, step, found, small, self._small_log, True) else None
+                rate = peers_rate(r, self._small_log, step, self._first_step)
+                found = found if found and beyond_chance(found, rate, len(small), exact=True) else None
             if found is None:
                 continue
             self._reported.add((r, "intermittent"))
@@ -447,23 +441,6 @@ class PartWatch:
                 )
             )
         return out
-
-    def _above_base_rate(self, rank: int, step: int, found, spikes, log: dict[int, deque], exact: bool) -> bool:
-        """Whether random spikes at the rate the rank's peers spike at could hardly have made the progression:
-        where healthy ranks spike now and then (a real job's first step at each new sequence length on CUDA:
-        ~80 ms blocked, every rank in turn, ~10 times in 60 steps), three of a rank's spikes fall on some
-        progression by chance; a rank slow every Nth step is named once its hits are that unlikely."""
-        since = max(self._first_step, step - RATE_WINDOW)
-        counts = sorted(sum(1 for s in steps if s > since) for r, steps in log.items() if r != rank)
-        rate = _median(counts) / max(1, step - since) if counts else 0.0
-        width = 1 if exact else 1 + 2 * min(found.period // 10, MAX_SLACK)  # steps a slot takes (periodicity.py)
-        slot = min(1.0, rate * width)
-        chance = sum(
-            math.comb(found.slots, k) * slot**k * (1 - slot) ** (found.slots - k)
-            for k in range(len(found.hits), found.slots + 1)
-        )
-        tried = max(1, math.comb(len(spikes), 2))  # progressions its spikes offer: an anchor and a period each
-        return chance * tried <= CHANCE
 
 
 def _level(window, low: int) -> float:
