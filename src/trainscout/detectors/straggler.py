@@ -519,7 +519,7 @@ class StragglerDetector(DetectorBase):
         key = (rank, metric.label, "intermittent")
         if key in self._reported or (rank, metric.label, "persistent") in self._reported:
             return None  # a rank named slow at every step is not news when it is also slow at some
-        spikes = self._flag_steps.get((rank, metric.label), [])
+        spikes: deque = self._flag_steps.get((rank, metric.label), deque())
         found = regular_period(spikes, self.intermittent_min)
         if found is None:
             return None  # not regular, or (nearly) every step: the persistent rule covers that
