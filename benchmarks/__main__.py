@@ -83,7 +83,7 @@ QUICK: dict[tuple[str, str], list[str]] = {
     ("latency", "faults"): ["--runs", "1", "--faults", "crash", "--steps", "40", "--no-record"],
     ("latency", "stragglers"): ["--runs", "1", "--cases", "compute 2x", "--no-record"],
     ("false-positives", "clean"): [
-        *("--plain", "1", "--slow", "0", "--pause", "0", "--hog", "0", "--steps", "60", "--no-record"),
+        *("--plain", "1", "--slow", "0", "--pause", "0", "--hog", "0", "--real", "0", "--steps", "60", "--no-record"),
     ],
     ("overhead", "sliced"): ["--pairs", "1", "--seconds", "6", "--warmup", "10", "--no-record"],
     ("overhead", "pairs"): ["--pairs", "1", "--steps", "40", "--warmup", "10", "--max-wait", "0", "--no-record"],
