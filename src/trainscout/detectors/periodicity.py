@@ -9,6 +9,7 @@ finding to either; here a progression is accepted when it explains most of what 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -80,12 +81,8 @@ CHANCE = 1e-4
 def peers_rate(rank: int, logs: Mapping[int, Iterable[int]], step: int, first_step: int) -> float:
     """The median rate (spikes per step) of the other ranks' spikes over the last RATE_WINDOW steps."""
     since = max(first_step, step - RATE_WINDOW)
-    counts = sorted(sum(1 for s in steps if s > since) for r, steps in logs.items() if r != rank)
-    if not counts:
-        return 0.0
-    h = len(counts) // 2
-    mid = counts[h] if len(counts) % 2 else (counts[h - 1] + counts[h]) / 2
-    return mid / max(1, step - since)
+    counts = [sum(1 for s in steps if s > since) for r, steps in logs.items() if r != rank]
+    return statistics.median(counts) / max(1, step - since) if counts else 0.0
 
 
 def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False) -> bool:

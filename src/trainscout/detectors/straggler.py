@@ -144,8 +144,8 @@ class StragglerDetector(DetectorBase):
         self.intermittent_min = intermittent_min
         self._pending: dict[int, dict] = {}  # step -> {"ranks": {rank: StepRecord}, "t": first seen}
         self._flags: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent (step, flagged, ratio)
-        self._flag_steps: dict[tuple[int, str], deque] = {}  # (rank, metric) -> recent spike steps
-        self._flag_log: dict[str, dict[int, deque]] = {}  # metric -> rank -> spike steps (the peers' base rate)
+        # metric -> rank -> spike steps: the last LOOKBACK searched for a period, the rest the peers' base rate
+        self._flag_log: dict[str, dict[int, deque]] = {}
         self._reported: set[tuple[int, str, str]] = set()
         self.steps_evaluated = 0
         self.compute_measure = "cpu"  # "gpu" once every rank reports GPU times
@@ -279,7 +279,6 @@ class StragglerDetector(DetectorBase):
             self.trace.append((step, metric.label, samples, sorted(outliers), sorted(spikes), voted, step_waits))
         for r in samples:
             if r in spikes:
-                self._flag_steps.setdefault((r, metric.label), deque(maxlen=LOOKBACK)).append(step)
                 self._flag_log.setdefault(metric.label, {}).setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if r in windowed and step > WARMUP_STEPS:
                 hist = self._flags.setdefault((r, metric.label), deque(maxlen=self.m))
@@ -519,13 +518,13 @@ class StragglerDetector(DetectorBase):
         key = (rank, metric.label, "intermittent")
         if key in self._reported or (rank, metric.label, "persistent") in self._reported:
             return None  # a rank named slow at every step is not news when it is also slow at some
-        spikes: deque = self._flag_steps.get((rank, metric.label), deque())
+        logs = self._flag_log.get(metric.label, {})
+        spikes = logs.get(rank, deque())
         found = regular_period(spikes, self.intermittent_min)
         if found is None:
             return None  # not regular, or (nearly) every step: the persistent rule covers that
-        if not beyond_chance(
-            found, peers_rate(rank, self._flag_log.get(metric.label, {}), found.hits[-1], WARMUP_STEPS), len(spikes)
-        ):
+        rate = peers_rate(rank, logs, found.hits[-1], WARMUP_STEPS)
+        if not beyond_chance(found, rate, min(len(spikes), LOOKBACK)):
             return None  # its peers spike as often: a progression of their rate's chance (periodicity.py)
         self._reported.add(key)
         recent = found.hits[-self.intermittent_min :]

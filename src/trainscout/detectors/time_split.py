@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from trainscout.consensus.leave_one_out import max_without, median_without
-from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, peers_rate, regular_period
+from trainscout.detectors.periodicity import LOOKBACK, Period, beyond_chance, peers_rate, regular_period
 from trainscout.findings import STRAGGLER, Finding
 
 SPREAD_STEPS = 64
@@ -218,9 +218,8 @@ class PartWatch:
         self._walls: deque = deque(maxlen=part.window)
         self._spread: deque = deque(maxlen=SPREAD_STEPS)
         self._flags: dict[int, deque] = {}
-        self._spikes: dict[int, deque] = {}
-        self._small_spikes: dict[int, deque] = {}
-        # every rank's spikes over a longer span, big and small: the rate its peers spike at (base rate)
+        # every rank's spikes, big and small: the last LOOKBACK are searched for a period, the rest give the
+        # rate its peers spike at (base rate)
         self._spike_log: dict[int, deque] = {}
         self._small_log: dict[int, deque] = {}
         self._first_step = -1  # the first step judged for spikes (the base rate's window starts there at most)
@@ -398,24 +397,17 @@ class PartWatch:
             if v - max_without(ordered, v) < excess / 2 or excess < max(p.abs_s, p.rel * wall):
                 continue
             big = excess >= max(p.spike_abs_s, p.spike_rel * wall)
-            small = self._small_spikes.setdefault(r, deque(maxlen=LOOKBACK))
-            small.append(step)
             self._small_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if big:
-                self._spikes.setdefault(r, deque(maxlen=LOOKBACK)).append(step)
                 self._spike_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
                 continue
             found, need = None, p.intermittent_min
-            # a progression among peers that spike too must be beyond their rate's chance (periodicity.py)
             if big:
-                found = regular_period(self._spikes[r], need)
-                rate = peers_rate(r, self._spike_log, step, self._first_step)
-                found = found if found and beyond_chance(found, rate, len(self._spikes[r])) else None
+                found = self._regular(r, step, self._spike_log, need, exact=False)
             if found is None and p.small_intermittent_min:
-                found, need = regular_period(small, p.small_intermittent_min, exact=True), p.small_intermittent_min
-                rate = peers_rate(r, self._small_log, step, self._first_step)
-                found = found if found and beyond_chance(found, rate, len(small), exact=True) else None
+                need = p.small_intermittent_min
+                found = self._regular(r, step, self._small_log, need, exact=True)
             if found is None:
                 continue
             self._reported.add((r, "intermittent"))
@@ -441,6 +433,15 @@ class PartWatch:
                 )
             )
         return out
+
+    def _regular(self, rank: int, step: int, log: dict[int, deque], need: int, exact: bool) -> Period | None:
+        """The period of the rank's recent spikes, if its peers' spike rate could hardly have made it
+        (periodicity.py)."""
+        found = regular_period(log[rank], need, exact=exact)
+        if found is None:
+            return None
+        rate = peers_rate(rank, log, step, self._first_step)
+        return found if beyond_chance(found, rate, min(len(log[rank]), LOOKBACK), exact) else None
 
 
 def _level(window, low: int) -> float:
