@@ -10,6 +10,7 @@ Unmodified by trainscout.
 import argparse
 import math
 import os
+import shutil
 import tempfile
 import time
 
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--ckpt-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (recompiles as lengths vary)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -92,9 +94,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", gpu) if cuda else torch.device("cpu")
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(
-        LM(args.dim, args.layers, args.max_len).to(device), device_ids=[gpu] if cuda else None
-    )
+    lm = LM(args.dim, args.layers, args.max_len).to(device)
+    model = DistributedDataParallel(torch.compile(lm) if args.compile else lm, device_ids=[gpu] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -112,7 +113,7 @@ def main() -> None:
         pin_memory=cuda,
     )
     held_out = [pad([Tokens(64, args.max_len, args.seed + 1)[i] for i in range(j, j + 8)]) for j in range(0, 64, 8)]
-    ckpt_dir = tempfile.mkdtemp(prefix="lm_train_ckpt_")
+    ckpt_dir = tempfile.mkdtemp(prefix="lm_train_ckpt_") if rank == 0 else ""
     batches = iter(loader)
     began = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -149,6 +150,7 @@ def main() -> None:
     if rank == 0:
         elapsed = time.perf_counter() - began
         print(f"done: {args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.0f} ms/step)", flush=True)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
     dist.destroy_process_group()
 
 
