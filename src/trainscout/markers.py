@@ -13,3 +13,11 @@ GPU_UNMEASURED = -2
 # What a collective issued outside Python (DDP's C++ reducer, functional collectives) chains as, whether or not
 # the Flight Recorder has described it yet: every member chains the same value for it.
 NATIVE_HASH = int.from_bytes(hashlib.blake2b(b"native collective", digest_size=8).digest(), "little")
+# RankState.busy: what a rank does between collectives (probe/activity.py): nothing known, a forward pass or the end
+# of a save or compilation at busy_age_s ago, or inside a save or a torch.compile compilation for busy_age_s
+BUSY_IDLE, BUSY_ACTIVE, BUSY_CHECKPOINT, BUSY_COMPILE = 0, 1, 2, 3
+BUSY_WHAT = {
+    BUSY_ACTIVE: "running forward passes",
+    BUSY_CHECKPOINT: "writing a checkpoint",
+    BUSY_COMPILE: "compiling (torch.compile)",
+}

@@ -4,6 +4,12 @@
 - "forward": rank 0 is held up as long, as often, inside its training forward;
 - "optimizer": rank 2's optimizer step is wrapped, and the wrapper sleeps 30 ms before the real step, from
   step 30 on;
+- "long-save": at step 20 rank 0 alone saves a checkpoint to slow storage (writes taking LONG_S in all) while
+  the others wait in a barrier (a script's choice, not a hang);
+- "long-eval": at step 20 rank 0 alone evaluates for LONG_S while the others wait in a barrier (likewise);
+- "long-compile": at step 20 rank 0 alone compiles a new graph (torch.compile, a backend taking LONG_S) while the
+  others wait in a barrier (a rank meeting a new shape first);
+- "stuck-save": rank 0's save at step 20 never ends (storage gone): a hang, once it outlasts the stall timeout;
 - "none": nothing.
 Used by tests/integration/test_main_rank_side_work.py, test_slow_optimizer_step.py and
 tests/gpu/test_side_work_cuda.py (ranks sharing one GPU, over gloo).
@@ -11,6 +17,7 @@ tests/gpu/test_side_work_cuda.py (ranks sharing one GPU, over gloo).
     torchrun --nproc-per-node 4 slow_rank_job.py MODE STEPS LOG_PREFIX [cpu|cuda]
 """
 
+import io
 import sys
 import time
 
@@ -45,6 +52,47 @@ if mode == "optimizer" and rank == 2:
         return real_step(*args, **kwargs)
 
     opt.step = slow_step
+LONG_S = 6.0
+
+
+class SlowStorage(io.RawIOBase):
+    """A file whose first write takes `seconds` (a slow or stuck network filesystem)."""
+
+    def __init__(self, path, seconds):
+        self.fh, self.seconds = open(path, "wb"), seconds
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        time.sleep(self.seconds)
+        self.seconds = 0.0
+        return self.fh.write(b)
+
+
+def rank_0_alone(log):
+    """long-save / long-eval / long-compile / stuck-save: rank 0 works alone, its peers wait in a barrier."""
+    if rank == 0 and mode in ("long-save", "stuck-save"):
+        seconds = LONG_S if mode == "long-save" else 3600.0
+        torch.save(model.module.state_dict(), SlowStorage(f"{log_prefix}.ckpt", seconds))
+    if rank == 0 and mode == "long-compile":
+
+        def slow_backend(graph, example_inputs):
+            time.sleep(LONG_S)
+            return graph.forward
+
+        torch.compile(model.module, backend=slow_backend)(torch.randn(4, 64, device=device))
+    if rank == 0 and mode == "long-eval":
+        model.eval()
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < LONG_S:
+                for (x,) in evaluation:
+                    model(x.to(device))
+        model.train()
+    dist.barrier()
+
+
 evaluation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 64)), batch_size=8)
 
 
@@ -74,5 +122,7 @@ with open(f"{log_prefix}.{rank}", "w") as log:
         opt.zero_grad()
         if mode == "eval" and rank == 0 and step % 10 == 0:
             evaluate(log)
+        if mode in ("long-save", "long-eval", "long-compile", "stuck-save") and step == 20:
+            rank_0_alone(log)
         time.sleep(0.01)
 dist.destroy_process_group()

@@ -54,3 +54,39 @@ def test_rank_0_held_up_inside_its_forward_is_named(tmp_path):
     assert stragglers and all(f["culprit_ranks"] == [0] for f in stragglers), result.describe()
     assert len(stragglers) == len(result.findings), result.describe()
     assert not [e for e in result.events if e.get("kind") == "main_rank_side_work"], result.describe()
+
+
+# Rank 0 alone for 6 s (3 hang timeouts) while its peers wait in a barrier: its own work, not a hang.
+LONG_OPTIONS = ("--hang-timeout", "2", "--stall-timeout", "30")
+
+
+@pytest.mark.parametrize(
+    ("mode", "doing"),
+    [("long-save", "writing a checkpoint"), ("long-eval", "running forward"), ("long-compile", "compiling")],
+)
+def test_rank_0_working_alone_past_the_hang_timeout_is_no_hang(tmp_path, mode, doing):
+    launch = torchrun_cmd(
+        "--nproc-per-node", "4", "--master-port", str(free_port()), str(JOB), mode, "40", str(tmp_path / "job")
+    )
+    result = run_under_trainscout(tmp_path, f"side-work-{mode}", launch, options=LONG_OPTIONS)
+
+    assert result.returncode == 0, result.describe()
+    assert result.findings == [], result.describe()
+    waits = [e for e in result.events if e.get("kind") == "hang_vote_waits"]
+    assert waits and all(e["ranks"] == [0] for e in waits), result.describe()
+    assert any(d.startswith(doing) for e in waits for d in e["doing"]), result.describe()
+
+
+def test_a_save_that_never_ends_is_a_hang_after_the_stall_timeout(tmp_path):
+    launch = torchrun_cmd(
+        "--nproc-per-node", "4", "--master-port", str(free_port()), str(JOB), "stuck-save", "40", str(tmp_path / "job")
+    )
+    options = (*LONG_OPTIONS, "--abort-on", "hang")
+    result = run_under_trainscout(tmp_path, "side-work-stuck-save", launch, options=options)
+
+    hangs = of_kind(result.findings, "hang")
+    assert [f["culprit_ranks"] for f in hangs] == [[0]], result.describe()
+    assert len(result.findings) == 1, result.describe()
+    inside = hangs[0]["evidence"]["inside"]["0"]  # "writing a checkpoint for 31 s"
+    assert inside.startswith("writing a checkpoint for "), result.describe()
+    assert 30 <= int(inside.split()[-2]) < 50, result.describe()  # after the stall timeout, not the hang timeout

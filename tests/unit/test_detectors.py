@@ -11,6 +11,7 @@ from trainscout.detectors.progress import HangDetector
 from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors import state as state_module
 from trainscout.detectors.state import ReplicaStateDetector, verified_step
+from trainscout.markers import BUSY_ACTIVE, BUSY_CHECKPOINT, BUSY_COMPILE, BUSY_IDLE, BUSY_WHAT
 from trainscout.probe import protocol
 from trainscout.wire.messages import (
     CollectiveRecord,
@@ -194,6 +195,58 @@ def test_no_hang_blamed_on_the_peers_of_a_rank_that_exited():
     # a rank that exited after entering the collective its peer waits in explains nothing: rank 0 is named
     (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, _tp2_dp3(crashed, tp_seq_1=9))
     assert s.finding.culprit_ranks == [0]
+
+
+def test_hang_vote_waits_for_a_rank_saving_compiling_or_evaluating_alone():
+    """Rank 2 is behind its peers' barrier doing work of its own (a checkpoint write, a compilation, forwards
+    of an evaluation): no hang until the save or compilation outlasts the stall timeout, or the forwards stop."""
+    detector = HangDetector(hang_timeout_s=5.0, stall_timeout_s=60.0)
+
+    def job(busy: int, busy_age: float):
+        return {
+            r: obs(
+                r,
+                [pg(45 if r != 2 else 44)],
+                progress_age=8.0,
+                **({"busy": busy, "busy_age_s": busy_age} if r == 2 else {}),
+            )
+            for r in WORLD
+        }
+
+    for busy, age in ((BUSY_CHECKPOINT, 9.0), (BUSY_COMPILE, 59.0), (BUSY_ACTIVE, 0.1)):
+        assert detector.update(100.0, job(busy, age)) == [], (busy, age)
+        assert detector.waiting_on_work == {2: BUSY_WHAT[busy]}
+    seen = job(BUSY_CHECKPOINT, 9.0)
+    fresh = HangDetector(hang_timeout_s=5.0, stall_timeout_s=60.0)
+    judged = fresh.judge(JobView(now=100.0, ranks=seen, seen=seen, live=set(WORLD), members={}, classes={}))
+    assert fresh.judge(JobView(now=101.0, ranks=seen, seen=seen, live=set(WORLD), members={}, classes={})).events == []
+    assert judged.asks == [] and judged.events == [
+        ("hang_vote_waits", {"ranks": [2], "doing": [BUSY_WHAT[BUSY_CHECKPOINT]]})
+    ]
+    # a save past the stall timeout, and a rank whose last forward began before its peers stopped, are hangs
+    (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=60.0).update(100.0, job(BUSY_CHECKPOINT, 61.0))
+    assert (s.finding.culprit_ranks, s.finding.evidence["inside"]) == ([2], {"2": "writing a checkpoint for 61 s"})
+    (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=60.0).update(100.0, job(BUSY_ACTIVE, 8.5))
+    assert s.finding.culprit_ranks == [2] and "inside" not in s.finding.evidence
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, job(BUSY_IDLE, 0.0))
+    assert s.finding.culprit_ranks == [2]
+
+
+def test_no_inconclusive_hang_while_a_majority_compiles_behind_one_rank():
+    """Three ranks still compile their first step; the fourth already waits in the first gradient bucket."""
+    ranks = {
+        r: obs(
+            r,
+            [pg(4 if r == 1 else 3)],
+            progress_age=6.0,
+            **({} if r == 1 else {"busy": BUSY_COMPILE, "busy_age_s": 20.0}),
+        )
+        for r in WORLD
+    }
+    assert HangDetector(hang_timeout_s=5.0).update(100.0, ranks) == []
+    ranks[3] = obs(3, [pg(3)], progress_age=6.0)  # one of them is not compiling: no exception
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, ranks)
+    assert (s.finding.kind, s.finding.status) == ("hang", "inconclusive")
 
 
 # ---- desync -------------------------------------------------------------------------------------------

@@ -529,6 +529,8 @@ class RankView:
             step=int(h["step"]),
             heartbeat_age_s=(now - int(h["heartbeat_ns"])) / 1e9,
             progress_age_s=(now - progress_ns) / 1e9,
+            busy=int(h["busy"]),
+            busy_age_s=(now - int(h["busy_ns"])) / 1e9,
             collectives=int(h["collectives"]),
             pgs=pgs,
             exit=exit_,

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-MAGIC = 0x5453434F55540002  # "TSCOUT" + layout version 2
+MAGIC = 0x5453434F55540003  # "TSCOUT" + layout version 3
 RING_SLOTS = 4096
 DESC_BYTES = 120
 ERROR_PG_INDEX = -6  # ring records with this pg index are the probe's internal errors, in order
@@ -43,6 +43,9 @@ HEADER_DTYPE = np.dtype(
         # written by the training thread (optimizer step hook)
         ("step", "<i8"),
         ("step_ns", "<i8"),
+        # the rank's own work between collectives (probe/activity.py): what, and since when (monotonic ns)
+        ("busy", "<i8"),
+        ("busy_ns", "<i8"),
         # written once, at exit, by whichever thread sees it
         ("exit_state", "<i8"),  # 0 running, 1 exit recorded
         ("exit_code", "<i8"),

@@ -6,6 +6,11 @@ entered the collective the majority waits in: they are the culprits (C3 exact vo
 one group but ahead in another waits in a different group than its peers: a process-group desync.
 A job-wide pause (checkpoint save) leaves every member at the same sequence number: no finding, unless
 it lasts `stall_timeout_s`, and then the finding blames nobody.
+
+Ranks behind because they do work of their own (rank 0 saving a checkpoint or evaluating alone while the others
+wait in a barrier, a rank compiling a new graph: markers.BUSY_*) are not hung: the vote waits while every rank
+behind is inside a save or compilation, up to `stall_timeout_s`, or ran a forward pass more recently than
+`hang_timeout_s` ago; a rank stuck anywhere, inside a forward included, is named as before.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from trainscout.consensus import vote_exact
 from trainscout.detectors.interface import DetectorBase, DumpStacks, JobView, Judgement
 from trainscout.detectors.observations import RankObs, group_label, rank_list, who
 from trainscout.findings import DESYNC, HANG, STALL, Finding
+from trainscout.markers import BUSY_ACTIVE, BUSY_WHAT
 
 HANG_TIMEOUT_S, STALL_TIMEOUT_S = RUN.hang_timeout, RUN.stall_timeout
 
@@ -42,10 +48,34 @@ class HangDetector(DetectorBase):
         self.stall_timeout_s = stall_timeout_s
         self.starved_after_s = starved_after_s
         self._reported_this_quiet = False
+        self.waiting_on_work: dict[int, str] = {}  # ranks the vote waits for now, and what each of them does
+        self._told: set[int] = set()  # ... already in an event this quiet period
 
     def judge(self, view: JobView) -> Judgement:
         """A hang's finding waits for the stacks of the ranks it names (taken from outside them)."""
-        return Judgement(asks=[DumpStacks(s.finding, s.stack_ranks) for s in self.update(view.now, dict(view.seen))])
+        suspects = self.update(view.now, dict(view.seen))
+        new = {r: what for r, what in self.waiting_on_work.items() if r not in self._told}
+        self._told.update(new)
+        events = [("hang_vote_waits", {"ranks": sorted(new), "doing": sorted(set(new.values()))})] if new else []
+        return Judgement(asks=[DumpStacks(s.finding, s.stack_ranks) for s in suspects], events=events)
+
+    def own_work(self, o: RankObs, now: float) -> str | None:
+        """What a rank behind its peers is doing of its own, if it is still doing it (None: nothing known)."""
+        age = o.age(o.state.busy_age_s, now)
+        if o.state.busy == BUSY_ACTIVE:
+            return BUSY_WHAT[BUSY_ACTIVE] if age < self.hang_timeout_s else None
+        if o.state.busy in BUSY_WHAT and age < self.stall_timeout_s:
+            return f"{BUSY_WHAT[o.state.busy]} for {age:.0f} s"
+        return None
+
+    def _waits_on_work(self, now: float, live: dict[int, RankObs], ranks) -> bool:
+        """True (and noted) when every one of `ranks` is busy with work of its own: the vote waits."""
+        doing = {r: self.own_work(live[r], now) for r in ranks}
+        if not doing or any(what is None for what in doing.values()):
+            return False
+        self.waiting_on_work = {r: str(what).split(" for ")[0] for r, what in doing.items()}
+        self._reported_this_quiet = False
+        return True
 
     def update(self, now: float, ranks: dict[int, RankObs]) -> list[Suspect]:
         live = {r: o for r, o in ranks.items() if o.state.alive}
@@ -54,6 +84,7 @@ class HangDetector(DetectorBase):
         quiet = min(o.progress_age(now) for o in live.values())
         if quiet < self.hang_timeout_s:
             self._reported_this_quiet = False
+            self.waiting_on_work, self._told = {}, set()
             return []
         if self._reported_this_quiet:
             return []
@@ -96,7 +127,17 @@ class HangDetector(DetectorBase):
             # crashed rank never joins): the exit is the cause, and the exit detector names it.
             return []
         if behind:
+            if not (set(behind) & set(ahead)) and self._waits_on_work(now, live, behind):
+                return []
             return [Suspect(self._blame(now, live, behind, ahead, quiet), sorted(behind))]
+        # no rank to blame: the ranks behind the furthest (a majority behind a rank ahead of it included)
+        groups = unattributed or [
+            (g, {k: _seq(o, g) for k, o in live.items() if o.pg(g) is not None})
+            for g in {v[0][0] for v in ahead.values()}
+        ]
+        lagging = {r for _, seqs in groups for r, s in seqs.items() if s < max(seqs.values())}
+        if self._waits_on_work(now, live, lagging):
+            return []
         return [Suspect(self._inconclusive(now, live, unattributed, ahead, quiet), sorted(live))]
 
     def _blame(self, now, live, behind, ahead, quiet) -> Finding:
@@ -119,6 +160,13 @@ class HangDetector(DetectorBase):
                 "process holds the GIL (busy Python loop) or is frozen"
             )
             evidence["cpu_percent"] = {str(r): live[r].state.cpu_percent for r in starved}
+        inside = {  # a save or compilation that outlasted the stall timeout is named, with what it was
+            str(r): f"{BUSY_WHAT[live[r].state.busy]} for {live[r].age(live[r].state.busy_age_s, now):.0f} s"
+            for r in culprits
+            if live[r].state.busy in BUSY_WHAT and live[r].state.busy != BUSY_ACTIVE
+        }
+        if inside:
+            evidence["inside"] = inside
         if cross:
             other_pg, other_seq = ahead[min(cross)][0]
             kind = DESYNC

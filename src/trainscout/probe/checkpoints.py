@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from trainscout.channel.layout import trust_path
+from trainscout.markers import BUSY_CHECKPOINT
 
 CERT_SUFFIX = ".trainscout-cert.json"
 DIR_CERT_NAME = "trainscout-cert.json"
@@ -89,8 +90,9 @@ def record_certificate(run_dir: str, cert_path: str, cert: dict) -> None:
 
 
 class CheckpointHooks:
-    def __init__(self, run_id: str, rank: int, get_step, on_error, on_duration=None) -> None:
+    def __init__(self, run_id: str, rank: int, get_step, on_error, on_duration=None, activity=None) -> None:
         self.on_duration = on_duration  # (wall s, cpu s) spent saving, for the step timings
+        self.activity = activity  # marks the rank busy writing while a save runs (the hang vote's exception)
         self.run_id = run_id
         self.rank = rank
         self.get_step = get_step
@@ -163,9 +165,12 @@ class CheckpointHooks:
     def _timed(self, real, *args, **kwargs):
         """Call a saver and report its wall and CPU time (checkpoint-write stall timings)."""
         t0, c0 = time.perf_counter(), time.thread_time()
+        marked = self.activity is not None and self.activity.enter(BUSY_CHECKPOINT)
         try:
             return real(*args, **kwargs)
         finally:
+            if marked and self.activity is not None:
+                self.activity.leave()
             if self.on_duration is not None:
                 self.on_duration(time.perf_counter() - t0, time.thread_time() - c0)
 

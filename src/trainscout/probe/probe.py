@@ -23,6 +23,7 @@ from trainscout.channel.layout import (
 )
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import exits
+from trainscout.probe.activity import Activity
 from trainscout.probe.checkpoints import CheckpointHooks
 from trainscout.probe.collectives import CollectiveTap
 from trainscout.probe.gather_check import GatherCheck
@@ -70,6 +71,7 @@ class Probe:
         self.errors = 0  # internal errors so far (each sent to the agent in order)
         self._primary_optimizer: int | None = None  # id() of the optimizer whose steps count
         self.writer = ChannelWriter(run_id, rank, local_rank, world_size, attempt)
+        self.activity = Activity(self.writer.set)
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self.report_error)
         self.publisher: Publisher | None = Publisher(  # None in a forked child
@@ -134,7 +136,7 @@ class Probe:
         self.param_names: dict[int, str] = {}
         self.model = None
         self.checkpoints = CheckpointHooks(
-            run_id, rank, lambda: self.step, self.report_error, self.timing.add_checkpoint
+            run_id, rank, lambda: self.step, self.report_error, self.timing.add_checkpoint, self.activity
         )
         # At least 200 steps apart, and further when a replay costs more than 0.1 % of the steps between
         # (a replay synchronises with the GPU: ~14 ms on a 10 ms host-bound CUDA step). A replay budget of 0
@@ -195,6 +197,7 @@ class Probe:
                 self._guarded(self.gather_check.wrap, "all-gather check"),
             )
         h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
+        h.on_import("torch._dynamo", self._guarded(self.activity.watch_compiles, "compile marks"))
         if self.nonfinite is not None:
             for module in (
                 "torch.amp.grad_scaler",
@@ -458,6 +461,8 @@ class Probe:
                 timing.training_forward()
 
         model.register_forward_pre_hook(training_forward)
+        # any forward of the model, evaluation included (often of DDP's inner module, bypassing the wrapper)
+        getattr(model, "module", model).register_forward_pre_hook(self.activity.forward)
 
     def _attach_replay(self, ddp) -> None:
         if self.replay is None or self._side_group is None:

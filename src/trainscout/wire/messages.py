@@ -149,6 +149,8 @@ class RankState(msgspec.Struct, array_like=True):
     numeric_layers: list[str] = []  # the layers NumericRecord.norms follow
     device: str = ""  # the accelerator the rank computes on (a CUDA device's UUID); "" on CPU
     attempt: int = 0  # the launcher's restart attempt this process belongs to (torchrun --max-restarts)
+    busy: int = 0  # what the rank does between collectives (markers.BUSY_*)
+    busy_age_s: float = 0.0  # seconds since that began (saving, compiling) or was last seen (active)
 
 
 class Hello(msgspec.Struct, tag=True):
