@@ -35,6 +35,9 @@ class RankObs:
     def progress_age(self, now: float) -> float:
         return self.age(self.state.progress_age_s, now)
 
+    def busy_age(self, now: float) -> float:
+        return self.age(self.state.busy_age_s, now)
+
     def heartbeat_age(self, now: float) -> float:
         return self.age(self.state.heartbeat_age_s, now)
 

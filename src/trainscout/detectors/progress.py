@@ -61,19 +61,15 @@ class HangDetector(DetectorBase):
 
     def own_work(self, o: RankObs, now: float) -> str | None:
         """What a rank behind its peers is doing of its own, if it is still doing it (None: nothing known)."""
-        age = o.age(o.state.busy_age_s, now)
-        if o.state.busy == BUSY_ACTIVE:
-            return BUSY_WHAT[BUSY_ACTIVE] if age < self.hang_timeout_s else None
-        if o.state.busy in BUSY_WHAT and age < self.stall_timeout_s:
-            return f"{BUSY_WHAT[o.state.busy]} for {age:.0f} s"
-        return None
+        limit = self.hang_timeout_s if o.state.busy == BUSY_ACTIVE else self.stall_timeout_s
+        return BUSY_WHAT.get(o.state.busy) if o.busy_age(now) < limit else None
 
     def _waits_on_work(self, now: float, live: dict[int, RankObs], ranks) -> bool:
         """True (and noted) when every one of `ranks` is busy with work of its own: the vote waits."""
         doing = {r: self.own_work(live[r], now) for r in ranks}
         if not doing or any(what is None for what in doing.values()):
             return False
-        self.waiting_on_work = {r: str(what).split(" for ")[0] for r, what in doing.items()}
+        self.waiting_on_work = {r: str(what) for r, what in doing.items()}
         self._reported_this_quiet = False
         return True
 
@@ -161,7 +157,7 @@ class HangDetector(DetectorBase):
             )
             evidence["cpu_percent"] = {str(r): live[r].state.cpu_percent for r in starved}
         inside = {  # a save or compilation that outlasted the stall timeout is named, with what it was
-            str(r): f"{BUSY_WHAT[live[r].state.busy]} for {live[r].age(live[r].state.busy_age_s, now):.0f} s"
+            str(r): f"{BUSY_WHAT[live[r].state.busy]} for {live[r].busy_age(now):.0f} s"
             for r in culprits
             if live[r].state.busy in BUSY_WHAT and live[r].state.busy != BUSY_ACTIVE
         }
