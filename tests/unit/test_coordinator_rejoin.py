@@ -8,13 +8,14 @@ named for a hang that is only the monitor's own blindness.
 from __future__ import annotations
 
 import io
+import signal
 
 from test_detectors import WORLD, obs, pg
 
 from trainscout.coordinator.main import Coordinator
 from trainscout.sinks import ConsoleSink
 from trainscout.wire.endpoints import CoordinatorEndpoint
-from trainscout.wire.messages import Hello, LauncherReport, NodeDigest
+from trainscout.wire.messages import Hello, LauncherReport, NodeDigest, RankExit
 
 
 def _coordinator(tmp_path) -> Coordinator:
@@ -61,5 +62,38 @@ def test_a_crash_the_agent_never_saw_is_named_from_the_launchers_report(tmp_path
         assert crash.culprit_ranks == [1] and crash.status == "attributed", crash
         assert crash.evidence["signal"] == "SIGSEGV" and "SIGSEGV" in crash.summary, crash
         assert [f.kind for f in coord.findings] == ["crash"]
+    finally:
+        coord.endpoint.close()
+
+
+def _exited(exits: dict[int, RankExit]) -> NodeDigest:
+    states = [obs(r, [pg(45)], exit=exits.get(r)).state for r in WORLD]
+    return NodeDigest(node_id="node0", host="vm", number=2, ranks=states)
+
+
+def test_the_signal_of_our_own_abort_is_not_a_crash(tmp_path):
+    """--abort-on stopped a short job as it ended: rank 2, still running, was gone before its probe could
+    record why (the launcher says SIGTERM), and rank 0 lost its peer. Neither is a crash of its own."""
+    coord = _coordinator(tmp_path)
+    try:
+        coord.handle(b"node0", _digest(1, behind=1), 100.0)
+        coord.abort("sdc found", 100.2)
+        lost_peer = RankExit("exception", 1, None, "RuntimeError: [gloo] Connection closed by peer", 12, 0.05)
+        coord.handle(b"node0", _exited({2: RankExit("vanished", None, None, "", 12, 0.1), 0: lost_peer}), 101.0)
+        coord.handle(b"node0", LauncherReport(node_id="node0", exit_code=1, worker_exits=[(2, -15, 12)]), 101.1)
+        coord.finish()
+        assert coord.findings == []
+    finally:
+        coord.endpoint.close()
+
+
+def test_a_crash_before_our_abort_is_still_named(tmp_path):
+    coord = _coordinator(tmp_path)
+    try:
+        coord.handle(b"node0", _exited({1: RankExit("signal", None, signal.SIGSEGV, "", 12, 0.5)}), 100.0)
+        coord.abort("sdc found", 100.2)
+        coord.finish()
+        (crash,) = coord.findings
+        assert crash.kind == "crash" and crash.culprit_ranks == [1], crash
     finally:
         coord.endpoint.close()

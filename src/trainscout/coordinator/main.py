@@ -28,7 +28,7 @@ from trainscout.coordinator.attempts import AttemptTracker
 from trainscout.coordinator.memberships import Memberships
 from trainscout.coordinator.step_commands import StepCommands
 from trainscout.detectors.devices import DeviceWatch
-from trainscout.detectors.exits import ExitDetector
+from trainscout.detectors.exits import ExitDetector, is_abnormal
 from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe, evidence_clock
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.registry import Registry, default_detectors
@@ -162,6 +162,7 @@ class Coordinator:
         self.step_commands = StepCommands()  # link probes and replays: sent over sound links, resent to returners
         self.request_ids = itertools.count(1)
         self.aborting = False
+        self.aborted_at: float | None = None  # monotonic time of our own --abort-on stop
         self.root_found = False
         self._confirms_after: str | None = None  # the detector whose suspects wait for a confirmation
         self._next_trust = 0.0
@@ -800,7 +801,7 @@ class Coordinator:
         if self.notifier:
             self.notifier.notify(finding)
         if finding.kind in self.abort_on and not self.aborting:
-            self.abort(f"{finding.kind} found")
+            self.abort(f"{finding.kind} found", now)
 
     def _remember(self, f: Finding) -> None:
         """What an emitted finding changes for later ones: emitted once, its numerically named culprits (later
@@ -843,13 +844,24 @@ class Coordinator:
             if text:
                 f.evidence.setdefault("device", {})[str(r)] = text
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, now: float) -> None:
         self.aborting = True
+        self.aborted_at = now
         self.console.warn(f"stopping the training job ({reason}; --abort-on)")
         self.events.write("abort", reason=reason)
         self.handoff.mark_abort()  # before the ranks are stopped: their teardown output stays off the terminal
         for ident in self.nodes:
             self.endpoint.send(ident, Command(kind="abort", request_id=next(self.request_ids)))
+
+    def _only_our_abort_stopped_ranks(self) -> bool:
+        """After --abort-on stopped the job, the signals it sent are not crashes (a short job may end as they
+        land): exits are judged only if a rank had failed before the abort."""
+        if self.aborted_at is None:
+            return False
+        return not any(
+            (t := o.exited_at()) is not None and t < self.aborted_at and is_abnormal(o, self.launcher_codes)
+            for o in self.ranks.values()
+        )
 
     def _watch_agents(self, now: float) -> None:
         # Silence is known up to when this process last had nothing queued: behind a backlog (long passes of a
@@ -918,7 +930,7 @@ class Coordinator:
         self._caught_up = None  # drained: silence is judged up to now
         now = time.monotonic()
         self.detect(now)  # a hang or desync named now is the root: the exits that followed are its consequences
-        if self.ranks and not self.root_found:
+        if self.ranks and not self.root_found and not self._only_our_abort_stopped_ranks():
             self._decide_exits(now)
         for p in list(self.pending_stacks.values()) + []:
             p.deadline = now
