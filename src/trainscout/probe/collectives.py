@@ -92,6 +92,8 @@ class CollectiveTap:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            if _compiling():  # traced into a compiled graph: dynamo handles the real call, we record nothing
+                return fn(*args, **kwargs)
             t0 = time.perf_counter()
             call_name, call_fn = name, fn
             if self._injector is not None:

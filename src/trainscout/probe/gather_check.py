@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainscout.probe.budget import fit_stride
+from trainscout.probe.compiled import eager_hook
 from trainscout.probe.state_check import STATE_PG_INDEX
 
 if TYPE_CHECKING:  # types only: the CUDA path is imported on first use
@@ -115,7 +116,7 @@ class GatherCheck:
                 self.setup_s += cost
             self._compiled_now = False
 
-        mod.register_forward_pre_hook(pre_forward)
+        mod.register_forward_pre_hook(eager_hook(pre_forward))
 
     # ---------------------------------------------------------------- schedule and budget
 

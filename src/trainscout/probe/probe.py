@@ -22,10 +22,11 @@ from trainscout.channel.layout import (
     stack_path,
 )
 from trainscout.channel.writer import ChannelWriter
-from trainscout.probe import exits
+from trainscout.probe import compiled, exits
 from trainscout.probe.activity import Activity
 from trainscout.probe.checkpoints import CheckpointHooks
 from trainscout.probe.collectives import CollectiveTap
+from trainscout.probe.compiled import eager_hook
 from trainscout.probe.gather_check import GatherCheck
 from trainscout.probe import hpz_fix
 from trainscout.probe.hpz_check import HpzCheck
@@ -198,6 +199,7 @@ class Probe:
             )
         h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
         h.on_import("torch._dynamo", self._guarded(self.activity.watch_compiles, "compile marks"))
+        h.on_import("torch._dynamo", self._guarded(compiled.on_dynamo_import, "hooks kept out of compiled code"))
         if self.nonfinite is not None:
             for module in (
                 "torch.amp.grad_scaler",
@@ -460,9 +462,9 @@ class Probe:
             if module.training and grad_enabled() and os.getpid() == pid:
                 timing.training_forward()
 
-        model.register_forward_pre_hook(training_forward)
+        model.register_forward_pre_hook(eager_hook(training_forward))
         # any forward of the model, evaluation included (often of DDP's inner module, bypassing the wrapper)
-        getattr(model, "module", model).register_forward_pre_hook(self.activity.forward)
+        getattr(model, "module", model).register_forward_pre_hook(eager_hook(self.activity.forward))
 
     def _attach_replay(self, ddp) -> None:
         if self.replay is None or self._side_group is None:

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainscout.probe.compiled import compiled_in_place, eager_hook, forced_eager
+
 REPLAY_PG_INDEX = -3
 MAX_STRETCH = 50  # a budgeted interval is at most this many times `every`
 _HEADER = 13  # ndim, dtype, up to 10 dims, the next interval
@@ -67,11 +69,17 @@ class Replay:
 
         self.group, self.source, self._broadcast = group, source, broadcast
         layers: list[tuple[str, Any]] = []
-        for name, child in module.named_children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                layers.extend((f"{name}.{i}", c) for i, c in enumerate(child))
-            elif any(True for _ in child.parameters()):
-                layers.append((name, child))
+        if _is_compile_wrapper(module) or compiled_in_place(module):
+            # the hooks of the modules inside a compiled model are traced into its graph: arming one for a replay
+            # would recompile it. The whole model is one layer (its own hooks run in eager code), named as
+            # torch.compile's wrapper names its parameters
+            layers.append(("_orig_mod" if _is_compile_wrapper(module) else "model", module))
+        else:
+            for name, child in module.named_children():
+                if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                    layers.extend((f"{name}.{i}", c) for i, c in enumerate(child))
+                elif any(True for _ in child.parameters()):
+                    layers.append((name, child))
         self.layers = layers
         self._next_index = 0
 
@@ -89,7 +97,7 @@ class Replay:
             return
         chosen = [self.layers[self._next_index]] if names is None else [(n, m) for n, m in self.layers if n in names]
         for name, layer in chosen:
-            self._handles.append(layer.register_forward_pre_hook(self._capture_hook(name)))
+            self._handles.append(layer.register_forward_pre_hook(eager_hook(self._capture_hook(name))))
 
     def _disarm(self) -> None:
         for handle in self._handles:
@@ -223,7 +231,7 @@ class Replay:
         x = x.to(device)
         was_training = layer.training
         # eval mode draws no random numbers; forking the RNG is a guard for layers that still do
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), forced_eager():
             layer.eval()
             try:
                 with torch.enable_grad():
@@ -265,3 +273,8 @@ def _combine(digests) -> int:
     for d in digests:
         h = (h * 0x100000001B3 + d) % (1 << 64)
     return h
+
+
+def _is_compile_wrapper(module) -> bool:
+    """torch.compile's module wrapper (OptimizedModule), told without importing torch._dynamo."""
+    return hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule"
