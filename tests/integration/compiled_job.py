@@ -1,8 +1,9 @@
-"""A DDP job whose model is compiled, three ways: `model.compile(fullgraph=True)` ("whole"), each block compiled
-in place ("blocks"), or `torch.compile(model, fullgraph=True)` ("wrap"); it evaluates every 5 steps (eval mode,
-autograd off). Once its first training step and evaluation have compiled both of its graphs, any recompilation
-fails the job (`error_on_recompile`): it is caused by whoever hooks into the model's modules. The eager backend
-keeps compiling fast; guards and recompilations are dynamo's, as with inductor.
+"""A DDP job whose model is compiled: `model.compile(fullgraph=True)` ("whole"), each block compiled in place
+("blocks"), `torch.compile(model, fullgraph=True)` ("wrap") or `torch.compile(DistributedDataParallel(model))`
+("ddp"). It evaluates every 5 steps (eval mode, autograd off). Once its first training step and evaluation have
+compiled its graphs, any recompilation fails the job (`error_on_recompile`): it is caused by whoever hooks into
+the model's modules. The eager backend keeps compiling fast; guards and recompilations are dynamo's, as with
+inductor.
 
     python compiled_job.py MODE STEPS
 """
@@ -51,9 +52,11 @@ def main() -> None:
     elif MODE == "blocks":
         for block in model.blocks:
             block.compile(fullgraph=True, backend="eager")
-    else:
+    elif MODE == "wrap":
         model = torch.compile(model, fullgraph=True, backend="eager")
     ddp = DistributedDataParallel(model)
+    if MODE == "ddp":  # the DDP wrapper compiled (DDP's graph is split at its buckets: no fullgraph)
+        ddp = torch.compile(ddp, backend="eager")
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(dist.get_rank())
     for step in range(STEPS):

@@ -33,6 +33,8 @@ from typing import Any
 from trainscout.probe.compiled import compiled_in_place, eager_hook, forced_eager
 
 REPLAY_PG_INDEX = -3
+_NOT_CALLED = -2  # header: the layer's hook did not run on the source (-1: its input cannot be sent)
+UNCALLED_TO_WHOLE = 2  # scheduled replays in a row whose layer's hook never ran: replay the whole model
 MAX_STRETCH = 50  # a budgeted interval is at most this many times `every`
 _HEADER = 13  # ndim, dtype, up to 10 dims, the next interval
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
@@ -54,6 +56,9 @@ class Replay:
         self.source = 0  # global rank whose captured input is broadcast
         self.layers: list[tuple[str, Any]] = []  # (name, torch.nn.Module)
         self._captured: dict[str, Any] = {}  # layer name -> its input (a tensor)
+        self._called: set[str] = set()  # armed layers whose hook ran (in eager code) since they were armed
+        self._uncalled = 0  # replays in a row whose layer's hook never ran
+        self._root: Any = None
         self._handles: list = []
         self.count = 0
         self.spent_s = 0.0
@@ -68,6 +73,7 @@ class Replay:
         import torch.nn as nn
 
         self.group, self.source, self._broadcast = group, source, broadcast
+        self._root = module
         layers: list[tuple[str, Any]] = []
         if _is_compile_wrapper(module) or compiled_in_place(module):
             # the hooks of the modules inside a compiled model are traced into its graph: arming one for a replay
@@ -92,7 +98,7 @@ class Replay:
         # One pre-hook on one layer for one step: a hook on every layer, every step, cost each forward
         # a Python call per layer for an input kept once every `every` steps. A confirmation arms several.
         self._disarm()
-        self._captured = {}
+        self._captured, self._called = {}, set()
         if not self.layers:
             return
         chosen = [self.layers[self._next_index]] if names is None else [(n, m) for n, m in self.layers if n in names]
@@ -107,6 +113,7 @@ class Replay:
     def _capture_hook(self, name: str):
         # Registered only on the layer of the next replay (see _arm): one activation held, not one per layer.
         def hook(module, args):
+            self._called.add(name)
             if len(args) == 1 and hasattr(args[0], "detach") and module.training:
                 self._captured[name] = args[0].detach()
 
@@ -180,6 +187,8 @@ class Replay:
             if not on_command or self._next_due <= step:
                 self._next_due = step + interval
         if x is None:
+            if self._uncalled >= UNCALLED_TO_WHOLE and len(self.layers) > 1:
+                self._replay_whole()
             self._last_s = time.perf_counter() - t0
             return
         out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
@@ -192,6 +201,14 @@ class Replay:
         self.spent_s += self._last_s
         del torch
 
+    def _replay_whole(self) -> None:
+        """The layers' hooks do not run where the source can see them: the model's forward is traced by
+        torch.compile (`torch.compile(DistributedDataParallel(model))` compiles the inner model's forward,
+        whose submodules' hooks then run inside its graph). The whole model is one layer from now on, hooked
+        where nn.Module calls it in eager code. Every replica sees the same headers, so all switch together."""
+        self.layers = [("model", self._root)]
+        self._next_index = self._rotation = self._uncalled = 0
+
     def _exchange_input(self, name: str, interval: int):
         """(the source's captured input or None, the source's next interval) on every replica."""
         import torch
@@ -202,7 +219,9 @@ class Replay:
         header[_HEADER - 1] = interval
         x = self._captured.get(name)
         if self.rank == self.source:
-            if x is None or str(x.dtype).replace("torch.", "") not in _DTYPES or x.dim() > 10:
+            if name not in self._called:
+                header[0] = _NOT_CALLED
+            elif x is None or str(x.dtype).replace("torch.", "") not in _DTYPES or x.dim() > 10:
                 header[0] = -1
             else:
                 header[0] = x.dim()
@@ -210,6 +229,7 @@ class Replay:
                 header[2 : 2 + x.dim()] = torch.tensor(x.shape)
         broadcast(header, src=self.source, group=self.group)
         interval = int(header[_HEADER - 1])
+        self._uncalled = self._uncalled + 1 if int(header[0]) == _NOT_CALLED else 0
         if int(header[0]) < 0:
             return None, interval
         shape = [int(v) for v in header[2 : 2 + int(header[0])]]
