@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
+from trainscout.markers import P2P_WAIT
 from trainscout.detectors.straggler import FINE_M, FINE_WINDOW, StragglerDetector, _may_stand_out, _SlidingMedian
 from trainscout.probe.link_probe import round_robin
 from trainscout.wire.messages import LinkRecord, StepRecord
@@ -48,6 +49,20 @@ def test_twelve_percent_straggler_is_named_by_the_fine_tier():
     assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([1], "compute")]
     assert 1.05 < found[0].evidence["ratio"] < 1.15 and "fine" in found[0].evidence["basis"]
     assert found[0].step <= 20 + FINE_WINDOW + FINE_M
+
+
+def test_pipeline_stages_are_not_compared():
+    """A rank that made point-to-point calls in a step is a pipeline stage: its work differs by design (the last
+    stage projects to the vocabulary), so its step is left out; the same 2x compute is named between replicas."""
+    slow = lambda r, s: 0.02 * (2.0 if r == 3 else 1.0)  # noqa: E731
+    stage = StragglerDetector()
+    for s in range(1, 120):
+        for r in WORLD:
+            rec = StepRecord(step=s, wall_s=0.05, cpu_s=slow(r, s), data_s=0.0, ckpt_s=0.0, pg_wait={P2P_WAIT: 0.003})
+            stage.add(r, [rec], 0.0)
+        assert stage.update(0.0, set(WORLD)) == []
+    replicas = StragglerDetector()
+    assert [f.culprit_ranks for f in _feed(replicas, range(1, 120), WORLD, slow)] == [[3]]
 
 
 def test_a_busy_machine_episode_is_not_a_fine_tier_straggler():

@@ -56,7 +56,7 @@ from trainscout.detectors.time_split import (
     worker_wait_s,
 )
 from trainscout.findings import STRAGGLER, Finding
-from trainscout.markers import GPU_UNMEASURED
+from trainscout.markers import GPU_UNMEASURED, P2P_WAIT
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
@@ -201,7 +201,8 @@ class StragglerDetector(DetectorBase):
             if not live <= set(entry["ranks"]) and waited - entry["t"] < self.wait_s:
                 break  # steps are judged in order
             del self._pending[step]
-            recs = entry["ranks"]
+            # pipeline stages (point-to-point calls in the step) do different work by design: not compared
+            recs = {r: rec for r, rec in entry["ranks"].items() if P2P_WAIT not in rec.pg_wait}
             if step <= 1 or len(recs) < 2:
                 continue  # the first step carries start-up
             self.steps_evaluated += 1

@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
+from trainscout.markers import P2P_WAIT
 from trainscout.probe import protocol
 
 WRAPPED = (
@@ -43,6 +44,11 @@ _ROOT_ARGS = ("src", "dst", "group_src", "group_dst")
 _MAX_EXTRAS = 8192
 _MAX_DESCRIBED = 4096
 _SYNC_RECORDED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor"}
+# Point-to-point calls (pipeline stages): not collectives, and not in the Flight Recorder's collective sequence.
+# Gloo counts them in the group's sequence number all the same (a send or recv adds one on its rank only), so
+# each call's effect on it is measured and taken off: a stage doing 8 P2P ops a step and one doing 16 would
+# otherwise place the same barrier at different sequence numbers (a desync and stragglers of a healthy job).
+P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 class CollectiveTap:
@@ -63,6 +69,9 @@ class CollectiveTap:
         # the Flight Recorder. A collective it counts that is neither there nor recorded was issued outside
         # Python (DDP's reducer, functional collectives, compiled code).
         self.noted: dict[tuple[str, int], None] = {}
+        self.p2p_taken: dict[str, int] = {}  # group name -> sequence numbers its P2P calls took (gloo: 1 each)
+        self._p2p_per_op: dict[str, int] = {}  # group name -> what one P2P call adds to its sequence number
+        self._in_p2p = False  # inside a wrapped P2P call (the training thread's)
         self._get_step = get_step
         self._injector = injector
         self._on_error = on_error
@@ -86,6 +95,74 @@ class CollectiveTap:
                 continue
             self.originals[name] = fn
             setattr(c10d_module, name, self._wrap(name, fn))
+        for name in P2P:
+            fn = getattr(c10d_module, name, None)
+            if fn is not None and not getattr(fn, "__trainscout_wrapped__", False):
+                self.originals[name] = fn
+                setattr(c10d_module, name, self._wrap_p2p(fn))
+
+    def _wrap_p2p(self, fn: Callable) -> Callable:
+        blocking = fn.__name__ in ("send", "recv")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            # inner: torch's send is its isend's wait, and that isend is wrapped too (counted once, outside)
+            if _compiling() or self._broken or self._in_p2p:
+                return fn(*args, **kwargs)
+            self._in_p2p = True
+            try:
+                return counted(*args, **kwargs)
+            finally:
+                self._in_p2p = False
+
+        def counted(*args, **kwargs):
+            groups = self._p2p_groups(args, kwargs)
+            batch = args[0] if args and isinstance(args[0], list) else None
+            ops = len(batch) if batch is not None else 1
+            tensor = getattr(batch[0], "tensor", None) if batch else (args[0] if args else kwargs.get("tensor"))
+            # until a group's first call tells: gloo (CPU tensors) counts each call in the group's sequence
+            guess = 1 if getattr(getattr(tensor, "device", None), "type", "") == "cpu" else 0
+            # taken off before the call: the publisher reads the group's sequence number while a recv waits
+            before = []
+            for g in groups:
+                name = g.group_name
+                expected = self._p2p_per_op.get(name, guess) * ops
+                self.p2p_taken[name] = self.p2p_taken.get(name, 0) + expected
+                before.append((g, name, g._get_sequence_number_for_group(), expected))
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.on_wait is not None:  # blocking calls wait for the peer; async ones only mark the step
+                    self.on_wait(P2P_WAIT, time.perf_counter() - t0 if blocking else 0.0)
+                for g, name, seq, expected in before:
+                    taken = g._get_sequence_number_for_group() - seq
+                    self._p2p_per_op.setdefault(name, taken // ops)  # the backend's way, learnt at its first call
+                    self.p2p_taken[name] += taken - expected
+
+        wrapper.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
+        return wrapper
+
+    def _p2p_groups(self, args, kwargs) -> list:
+        """The process groups a P2P call uses (batch_isend_irecv: each op's), default group for None."""
+        try:
+            c10d = self._c10d
+            ops = args[0] if args and isinstance(args[0], list) else None
+            if ops is not None:
+                found = [getattr(op, "group", None) for op in ops]
+            else:
+                found = [kwargs["group"] if "group" in kwargs else (args[2] if len(args) > 2 else None)]
+            groups = {id(g): g for g in (g if g is not None else c10d._get_default_group() for g in found)}
+            return [g for g in groups.values() if not c10d._rank_not_in_group(g)]
+        except Exception as exc:  # fail open: the tap's sequence numbers would be off, so it stops
+            self._broken = True
+            self._on_error(f"collective tap disabled: P2P call not understood: {exc!r}")
+            return []
+
+    def collective_seq(self, group) -> int:
+        """The group's collectives issued so far, as the Flight Recorder numbers its entries (P2P calls left
+        out; its status counts them on gloo: the publisher takes them off with `p2p_taken`)."""
+        return int(group._get_sequence_number_for_group()) - self.p2p_taken.get(group.group_name, 0)
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         sig = self._signature(fn)
@@ -124,7 +201,7 @@ class CollectiveTap:
                 group = c10d._get_default_group()
             if c10d._rank_not_in_group(group):
                 return None  # non-members issue nothing, so no sequence number to key on
-            seq = int(group._get_sequence_number_for_group()) + 1
+            seq = self.collective_seq(group) + 1
             parts = []
             op = bound.get("op")
             if op is not None or name in (
@@ -186,7 +263,7 @@ class CollectiveTap:
             group = c10d._resolve_process_group(resolve(bound["group"], bound.get("tag", "")))
             if c10d._rank_not_in_group(group):
                 return
-            seq = int(group._get_sequence_number_for_group()) + 1
+            seq = self.collective_seq(group) + 1
             extra = f"op={str(bound['reduceOp']).upper()}"
             self._remember_extra(group.group_name, seq, extra)
             if self.record_sync is not None and self._record_now(

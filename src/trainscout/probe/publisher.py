@@ -123,7 +123,8 @@ class Publisher(threading.Thread):
         if not (fr.available() and fr.dist_initialized()):
             return
         self.writer.set("fr_available", 1)
-        st = fr.status()  # keyed by the recorder's own group ids, which differ between ranks
+        raw = fr.status()  # keyed by the recorder's own group ids, which differ between ranks
+        st = self._collective_status(raw)
         now = time.monotonic_ns()
         moved = st != self._last_status
         if moved:  # a collective was issued since the last look: progress, whether or not it is described yet
@@ -137,6 +138,7 @@ class Publisher(threading.Thread):
             pg_id not in self._pg_names and last != self._dumped_status.get(pg_id) for pg_id, last in st.items()
         ) and (force or not self._pg_names or since >= MAX_DUMP_GAP_S * 1e9):
             entries = self._dump(st, now)
+            st = self._collective_status(raw)  # the dump may have named a group: its P2P calls come off now
         self._place(st)
         awaiting = sum(map(len, self._awaiting.values()))
         undescribed = any(self._natives.values())
@@ -159,6 +161,15 @@ class Publisher(threading.Thread):
             t0 = time.perf_counter()
             self._ingest(entries)
             self.dump_s += time.perf_counter() - t0
+
+    def _collective_status(self, status: dict[str, int]) -> dict[str, int]:
+        """The recorder's status counts a gloo group's point-to-point calls among its collectives (its entries do
+        not): those the tap saw are taken off, so that every member numbers the group's collectives alike."""
+        taken = self.tap.p2p_taken if self.tap is not None else None
+        if not taken:
+            return status
+        names = self._pg_names
+        return {pg_id: last - taken.get(names.get(pg_id, ""), 0) for pg_id, last in status.items()}
 
     def _dump(self, status: dict[str, int], now: int) -> list[dict]:
         """The recorder's buffered entries (oldest first); learns each group id's name from them."""
