@@ -116,8 +116,8 @@ class CollectiveTap:
                 self._in_p2p = False
 
         def counted(*args, **kwargs):
-            groups = self._p2p_groups(args, kwargs)
-            batch = args[0] if args and isinstance(args[0], list) else None
+            batch = args[0] if args and isinstance(args[0], list) else None  # batch_isend_irecv's P2POps
+            groups = self._p2p_groups(batch, args, kwargs)
             ops = len(batch) if batch is not None else 1
             tensor = getattr(batch[0], "tensor", None) if batch else (args[0] if args else kwargs.get("tensor"))
             # until a group's first call tells: gloo (CPU tensors) counts each call in the group's sequence
@@ -143,13 +143,12 @@ class CollectiveTap:
         wrapper.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
         return wrapper
 
-    def _p2p_groups(self, args, kwargs) -> list:
+    def _p2p_groups(self, batch, args, kwargs) -> list:
         """The process groups a P2P call uses (batch_isend_irecv: each op's), default group for None."""
         try:
             c10d = self._c10d
-            ops = args[0] if args and isinstance(args[0], list) else None
-            if ops is not None:
-                found = [getattr(op, "group", None) for op in ops]
+            if batch is not None:
+                found = [getattr(op, "group", None) for op in batch]
             else:
                 found = [kwargs["group"] if "group" in kwargs else (args[2] if len(args) > 2 else None)]
             groups = {id(g): g for g in (g if g is not None else c10d._get_default_group() for g in found)}

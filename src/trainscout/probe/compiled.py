@@ -65,6 +65,12 @@ def _skip_in_dynamo(code) -> None:
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
+def compile_wrapper(module) -> bool:
+    """`module` is torch.compile's module wrapper (OptimizedModule), told without importing torch._dynamo: its
+    own hooks run in eager code, those of the module it wraps may be traced."""
+    return hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule"
+
+
 def compiled_in_place(module) -> bool:
     """`module.compile()` was called: the hooks of the modules inside it are traced into its graph, so adding or
     removing one changes the graph's guards (a recompilation each time)."""

@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainscout.probe.compiled import compiled_in_place, eager_hook, forced_eager
+from trainscout.probe.compiled import compile_wrapper, compiled_in_place, eager_hook, forced_eager
 
 REPLAY_PG_INDEX = -3
 _NOT_CALLED = -2  # header: the layer's hook did not run on the source (-1: its input cannot be sent)
 UNCALLED_TO_WHOLE = 2  # scheduled replays in a row whose layer's hook never ran: replay the whole model
+WHOLE_MODEL = "model"  # the layer name of a model replayed whole
 MAX_STRETCH = 50  # a budgeted interval is at most this many times `every`
 _HEADER = 13  # ndim, dtype, up to 10 dims, the next interval
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
@@ -75,11 +76,13 @@ class Replay:
         self.group, self.source, self._broadcast = group, source, broadcast
         self._root = module
         layers: list[tuple[str, Any]] = []
-        if _is_compile_wrapper(module) or compiled_in_place(module):
+        if compile_wrapper(module):
             # the hooks of the modules inside a compiled model are traced into its graph: arming one for a replay
             # would recompile it. The whole model is one layer (its own hooks run in eager code), named as
             # torch.compile's wrapper names its parameters
-            layers.append(("_orig_mod" if _is_compile_wrapper(module) else "model", module))
+            layers.append(("_orig_mod", module))
+        elif compiled_in_place(module):
+            layers.append((WHOLE_MODEL, module))
         else:
             for name, child in module.named_children():
                 if isinstance(child, (nn.ModuleList, nn.Sequential)):
@@ -206,7 +209,7 @@ class Replay:
         torch.compile (`torch.compile(DistributedDataParallel(model))` compiles the inner model's forward,
         whose submodules' hooks then run inside its graph). The whole model is one layer from now on, hooked
         where nn.Module calls it in eager code. Every replica sees the same headers, so all switch together."""
-        self.layers = [("model", self._root)]
+        self.layers = [(WHOLE_MODEL, self._root)]
         self._next_index = self._rotation = self._uncalled = 0
 
     def _exchange_input(self, name: str, interval: int):
@@ -293,8 +296,3 @@ def _combine(digests) -> int:
     for d in digests:
         h = (h * 0x100000001B3 + d) % (1 << 64)
     return h
-
-
-def _is_compile_wrapper(module) -> bool:
-    """torch.compile's module wrapper (OptimizedModule), told without importing torch._dynamo."""
-    return hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule"
