@@ -87,6 +87,23 @@ def test_the_signal_of_our_own_abort_is_not_a_crash(tmp_path):
         coord.endpoint.close()
 
 
+def test_a_rank_ending_as_our_abort_lands_is_not_a_crash(tmp_path):
+    """The job ended as --abort-on stopped it: rank 2 was already in its interpreter's exit, and our SIGTERM,
+    which the launcher reports, ended it there."""
+    coord = _coordinator(tmp_path)
+    try:
+        coord.handle(b"node0", _digest(1, behind=1), 100.0)
+        coord.handle(b"node0", _exited({2: RankExit("exit", 0, None, "interpreter exit", 12, 0.0)}), 100.1)
+        coord.abort("sdc found", 100.2)
+        codes = [(0, -15, 12), (1, -15, 12), (2, -15, 12)]
+        coord.handle(b"node0", LauncherReport(node_id="node0", exit_code=1, worker_exits=codes), 101.1)
+        coord.handle(b"node0", LauncherReport(node_id="node0", exit_code=1, worker_exits=codes, final=True), 101.2)
+        coord.finish()
+        assert coord.findings == []
+    finally:
+        coord.endpoint.close()
+
+
 def test_a_crash_before_our_abort_is_still_named(tmp_path):
     coord = _coordinator(tmp_path)
     try:

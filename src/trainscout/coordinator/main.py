@@ -28,7 +28,7 @@ from trainscout.coordinator.attempts import AttemptTracker
 from trainscout.coordinator.memberships import Memberships
 from trainscout.coordinator.step_commands import StepCommands
 from trainscout.detectors.devices import DeviceWatch
-from trainscout.detectors.exits import ExitDetector, is_abnormal
+from trainscout.detectors.exits import ExitDetector, is_abnormal, is_collateral
 from trainscout.detectors.interface import Ask, Confirm, DumpStacks, FetchRecords, JobView, LinkProbe, evidence_clock
 from trainscout.detectors.observations import RankObs
 from trainscout.detectors.registry import Registry, default_detectors
@@ -855,11 +855,16 @@ class Coordinator:
 
     def _only_our_abort_stopped_ranks(self) -> bool:
         """After --abort-on stopped the job, the signals it sent are not crashes (a short job may end as they
-        land): exits are judged only if a rank had failed before the abort."""
+        land, even on a rank already in its interpreter's exit): exits are judged only if a rank had failed of
+        its own before the abort (as the exit detector tells its own failures from collateral ones)."""
         if self.aborted_at is None:
             return False
+        codes = self.launcher_codes
         return not any(
-            (t := o.exited_at()) is not None and t < self.aborted_at and is_abnormal(o, self.launcher_codes)
+            (t := o.exited_at()) is not None
+            and t < self.aborted_at
+            and is_abnormal(o, codes)
+            and not is_collateral(o, codes)
             for o in self.ranks.values()
         )
 
