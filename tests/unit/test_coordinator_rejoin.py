@@ -114,3 +114,31 @@ def test_a_crash_before_our_abort_is_still_named(tmp_path):
         assert crash.kind == "crash" and crash.culprit_ranks == [1], crash
     finally:
         coord.endpoint.close()
+
+
+def test_ranks_without_a_record_of_a_launcher_that_succeeded_are_not_crashes(tmp_path):
+    """Every rank ended with os._exit(0) after its work (no exit record of its own) and its agent missed the
+    exit code; torchrun exited 0, naming no worker: each of that node's ranks exited 0."""
+    coord = _coordinator(tmp_path)
+    try:
+        coord.handle(b"node0", _digest(1, behind=1), 100.0)
+        gone = {r: RankExit("vanished", None, None, "", 45, 0.1) for r in WORLD}
+        coord.handle(b"node0", _exited(gone), 101.0)
+        coord.handle(b"sup", LauncherReport(node_id="node0", exit_code=0, worker_exits=[]), 101.1)
+        coord.finish()
+        assert coord.findings == []
+    finally:
+        coord.endpoint.close()
+
+
+def test_another_nodes_success_does_not_clear_a_vanished_rank(tmp_path):
+    coord = _coordinator(tmp_path)
+    try:
+        coord.handle(b"node0", _digest(1, behind=1), 100.0)
+        coord.handle(b"node0", _exited({2: RankExit("vanished", None, None, "", 45, 0.1)}), 101.0)
+        coord.handle(b"sup", LauncherReport(node_id="node1", exit_code=0, worker_exits=[]), 101.1)
+        coord.finish()
+        (crash,) = coord.findings
+        assert crash.kind == "crash" and crash.culprit_ranks == [2], crash
+    finally:
+        coord.endpoint.close()

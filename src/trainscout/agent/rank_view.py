@@ -432,7 +432,11 @@ class RankView:
         return out
 
     def _check_exit(self, h) -> None:
-        alive, zombie_status = _process_state(self._process)
+        alive, zombie_status = process_state(self._process)
+        if not alive and not int(h["exit_state"]):
+            # this tick's header was copied before the death was seen: a record written in between (the rank's
+            # last act, e.g. os._exit) is there now, for a dead process writes nothing more
+            h = self.reader.header()
         if int(h["exit_state"]):
             # Report at once, even while the process is still tearing down: a rank that decided to
             # exit is not a rank that hangs, and its peers may block on it meanwhile.
@@ -454,14 +458,7 @@ class RankView:
             code, sig = (None, None)
             if zombie_status is not None:
                 code, sig = zombie_status
-            self.exit = RankExit(
-                how="signal" if sig else "vanished",
-                code=code,
-                signal=sig,
-                message="process ended without an exit record (killed or crashed hard)",
-                step=int(h["step"]),
-                age_s=0.0,
-            )
+            self.exit = exit_without_record(code, sig, int(h["step"]))
         else:
             return
         self._exit_seen_ns = time.monotonic_ns()
@@ -564,7 +561,18 @@ class RankView:
         self.reader.close()
 
 
-def _process_state(process: psutil.Process | None) -> tuple[bool, tuple[int | None, int | None] | None]:
+def exit_without_record(code: int | None, sig: int | None, step: int) -> RankExit:
+    """A rank gone before its probe recorded why: what its zombie's status tells (None: reaped unseen)."""
+    if sig:
+        how, message = "signal", "process ended without an exit record (killed or crashed hard)"
+    elif code is not None:  # it exited of itself, past the interpreter's exit handlers (os._exit)
+        how, message = "exit", f"process exited (code {code}) without an exit record (os._exit)"
+    else:
+        how, message = "vanished", "process ended without an exit record (killed or crashed hard)"
+    return RankExit(how=how, code=code, signal=sig, message=message, step=step, age_s=0.0)
+
+
+def process_state(process: psutil.Process | None) -> tuple[bool, tuple[int | None, int | None] | None]:
     """(alive, zombie exit (code, signal) or None). A zombie is dead but not yet reaped by torchrun."""
     if process is None:
         return False, None

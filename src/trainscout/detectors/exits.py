@@ -62,6 +62,8 @@ def is_abnormal(o: RankObs, launcher_codes: dict[int, int]) -> bool:
     code = launcher_codes.get(o.rank)
     if code is not None and code != 0:
         return True
+    if code == 0 and e.how == "vanished":
+        return False  # no record of its own (os._exit), but the launcher saw it succeed
     return e.how in ("exception", "signal", "vanished") or (e.code not in (0, None))
 
 

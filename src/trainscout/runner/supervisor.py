@@ -217,7 +217,7 @@ class Supervisor:
             "--coordinator",
             address,
             "--node-id",
-            self.opts.node_id or os.uname().nodename,
+            self._node_id(),
             "--stack-method",
             self.opts.stack_method,
             "--nice",
@@ -251,7 +251,7 @@ class Supervisor:
         return env
 
     def _pump(self, stream, out) -> None:
-        exits = LiveExitReporter(self.secret, f"supervisor-{os.getpid()}-exits", self.opts.node_id or "")
+        exits = LiveExitReporter(self.secret, f"supervisor-{os.getpid()}-exits", self._node_id())
         # held while the disk is full: this thread must keep draining the launcher's pipe, or training blocks
         log = HeldLines(os.path.join(self.run_dir, "launcher.log"), self.folder.full, self.folder.space)
         for line in iter(stream.readline, ""):
@@ -454,10 +454,15 @@ class Supervisor:
         self.console.info(f"the {name} is running again (restart {n} of {self.restarts.limit})")
         self.events.write("tool_restarted", component=name, restart=n, pid=getattr(self, name).pid)
 
+    def _node_id(self) -> str:
+        """This node's name, the same in the agent's digests and the launcher's report (which tells the
+        coordinator whose ranks a launcher that succeeded ran)."""
+        return self.opts.node_id or os.uname().nodename
+
     def _report_launcher(self, address: str, code: int) -> None:
         exits = worker_exits("".join(self._launcher_text))
         ep = AgentEndpoint(address, self.secret, f"supervisor-{os.getpid()}")
-        ep.send(LauncherReport(node_id=self.opts.node_id or "", exit_code=code, worker_exits=exits))
+        ep.send(LauncherReport(node_id=self._node_id(), exit_code=code, worker_exits=exits))
         time.sleep(0.3)
         ep.close()
         self.events.write("launcher_exit", code=code, workers=exits)
