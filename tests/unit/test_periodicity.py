@@ -100,3 +100,21 @@ def test_the_peers_rate_is_their_median_over_the_recent_window_without_the_suspe
     # over steps 21..100 (80 steps), rank 3's peers spiked 4, 1 and 2 times: median 2
     assert peers_rate(3, logs, step=100, first_step=20) == 2 / 80
     assert peers_rate(0, logs, step=100, first_step=20) == 2 / 80  # ranks 1, 2, 3: 1, 2, 80
+
+
+def test_a_progression_that_ended_long_ago_is_not_named_at_a_later_spike():
+    """A realistic CUDA job (new sequence lengths: ~100 ms on the driver, every rank in turn): rank 1 spiked at
+    49, 78 and 105, judged then against its peers' spikes and let go; at its spike of step 616 its peers had
+    been quiet for 200 steps and the old progression, 500 steps without a hit, was named."""
+    spikes = [49, 78, 105, 270, 616]
+    assert regular_period(spikes, 3) is not None  # the old progression is still there to be found
+    assert regular_period(spikes, 3, ending_at=616) is None
+    assert regular_period([100, 106, 112], 3, ending_at=112).period == 6
+
+
+def test_the_peers_rate_covers_the_span_of_the_progression():
+    logs = {0: [50, 567], 1: [49, 78, 105], 2: [27, 99], 3: [86]}
+    assert peers_rate(1, logs, step=616, first_step=20) == 0.0  # the last 200 steps: one peer spike
+    assert peers_rate(1, logs, step=616, first_step=20, span_start=49) == 1 / 568  # since step 48: 2, 1, 1
+    then = {r: [s for s in steps if s <= 105] for r, steps in logs.items()}
+    assert peers_rate(1, then, step=105, first_step=20, span_start=49) == 1 / 85  # the 200 steps reach back further

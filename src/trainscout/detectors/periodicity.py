@@ -28,13 +28,16 @@ class Period:
     slots: int  # slots of the progression from its first hit to its last
 
 
-def regular_period(spikes: Iterable[int], min_hits: int, exact: bool = False) -> Period | None:
+def regular_period(
+    spikes: Iterable[int], min_hits: int, exact: bool = False, ending_at: int | None = None
+) -> Period | None:
     """Of the progressions (period >= MIN_PERIOD) with at least `min_hits` spikes on distinct slots, that
     fill SLOT_SHARE of their slots and hold SPIKE_SHARE of the spikes over their span, the one with the
     most hits net of empty slots (half the period gains stray spikes but leaves about half its slots empty;
     twice the period has half the hits); the shorter period wins a tie. None if there is none. `exact`: no
     step of slack (small spikes, which healthy ranks on a busy machine also show, count only when exactly
-    regular)."""
+    regular). `ending_at`: only progressions whose last hit is that spike (the one just seen: a progression
+    that ended long ago was judged when its last hit came, against its peers' rate then)."""
     recent = sorted(set(spikes))[-LOOKBACK:]
     best, best_score = None, None
     # any two neighbouring hits give the period; the anchor may be a hit whose next slot was missed
@@ -42,7 +45,7 @@ def regular_period(spikes: Iterable[int], min_hits: int, exact: bool = False) ->
     for anchor in recent:
         for period in periods:
             found = _progression(recent, anchor, period, min_hits, exact)
-            if found is None:
+            if found is None or (ending_at is not None and found.hits[-1] != ending_at):
                 continue
             score = (2 * len(found.hits) - found.slots, -found.period)
             if best_score is None or score > best_score:
@@ -78,9 +81,13 @@ RATE_WINDOW = 200
 CHANCE = 1e-4
 
 
-def peers_rate(rank: int, logs: Mapping[int, Iterable[int]], step: int, first_step: int) -> float:
-    """The median rate (spikes per step) of the other ranks' spikes over the last RATE_WINDOW steps."""
-    since = max(first_step, step - RATE_WINDOW)
+def peers_rate(
+    rank: int, logs: Mapping[int, Iterable[int]], step: int, first_step: int, span_start: int | None = None
+) -> float:
+    """The median rate (spikes per step) of the other ranks' spikes over the last RATE_WINDOW steps, or since
+    `span_start` (a progression's first hit) where that is longer ago: the rate over the span it was made in."""
+    start = step - RATE_WINDOW if span_start is None else min(step - RATE_WINDOW, span_start - 1)
+    since = max(first_step, start)
     counts = [sum(1 for s in steps if s > since) for r, steps in logs.items() if r != rank]
     return statistics.median(counts) / max(1, step - since) if counts else 0.0
 

@@ -521,10 +521,10 @@ class StragglerDetector(DetectorBase):
             return None  # a rank named slow at every step is not news when it is also slow at some
         logs = self._flag_log.get(metric.label, {})
         spikes = logs.get(rank, deque())
-        found = regular_period(spikes, self.intermittent_min)
+        found = regular_period(spikes, self.intermittent_min, ending_at=spikes[-1] if spikes else None)
         if found is None:
             return None  # not regular, or (nearly) every step: the persistent rule covers that
-        rate = peers_rate(rank, logs, found.hits[-1], WARMUP_STEPS)
+        rate = peers_rate(rank, logs, found.hits[-1], WARMUP_STEPS, span_start=found.hits[0])
         if not beyond_chance(found, rate, min(len(spikes), LOOKBACK)):
             return None  # its peers spike as often: a progression of their rate's chance (periodicity.py)
         self._reported.add(key)

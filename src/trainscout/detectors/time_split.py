@@ -437,10 +437,10 @@ class PartWatch:
     def _regular(self, rank: int, step: int, log: dict[int, deque], need: int, exact: bool) -> Period | None:
         """The period of the rank's recent spikes, if its peers' spike rate could hardly have made it
         (periodicity.py)."""
-        found = regular_period(log[rank], need, exact=exact)
+        found = regular_period(log[rank], need, exact=exact, ending_at=step)
         if found is None:
             return None
-        rate = peers_rate(rank, log, step, self._first_step)
+        rate = peers_rate(rank, log, step, self._first_step, span_start=found.hits[0])
         return found if beyond_chance(found, rate, min(len(log[rank]), LOOKBACK), exact) else None
 
 
