@@ -8,7 +8,8 @@ fingerprinted; a replica that computes differently from a strict majority comput
 second deviation of the same layer confirms a faulty device.
 
 Replay must not change training: it runs under a forked RNG, in eval mode, and takes gradients with
-torch.autograd.grad, which leaves `.grad` untouched; parameters are only read.
+torch.autograd.grad, which leaves `.grad` untouched; parameters are only read. Buffers (BatchNorm's running
+statistics) are each rank's own: every replica recomputes with the source's and gets its own back after.
 
 On CUDA a replay step synchronises the host with the GPU: the side group is gloo, so the source copies
 its captured input to host memory, the receivers copy it back, and the results are read on the host
@@ -86,8 +87,10 @@ class Replay:
         else:
             for name, child in module.named_children():
                 if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                    layers.extend((f"{name}.{i}", c) for i, c in enumerate(child))
-                elif any(True for _ in child.parameters()):
+                    # a block's activations (nn.ReLU in a Sequential) hold no weights: nothing of the replica's
+                    # own to check, and no device to recompute on
+                    layers.extend((f"{name}.{i}", c) for i, c in enumerate(child) if _has_parameters(c))
+                elif _has_parameters(child):
                     layers.append((name, child))
         self.layers = layers
         self._next_index = 0
@@ -157,7 +160,7 @@ class Replay:
             x, _ = self._exchange_input(name, self.interval)
             if x is None:
                 continue
-            out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
+            out_hash, grad_hash, param_hash = self._recompute(layer, x, step, self._exchange_buffers(layer))
             self.count += 1
             self.append(
                 REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
@@ -194,7 +197,7 @@ class Replay:
                 self._replay_whole()
             self._last_s = time.perf_counter() - t0
             return
-        out_hash, grad_hash, param_hash = self._recompute(layer, x, step)
+        out_hash, grad_hash, param_hash = self._recompute(layer, x, step, self._exchange_buffers(layer))
         self.count += 1
         # the parameters' fingerprint tells a wrong computation from corrupted weights
         self.append(
@@ -246,7 +249,26 @@ class Replay:
         broadcast(buf, src=self.source, group=self.group)
         return buf, interval
 
-    def _recompute(self, layer, x, step: int) -> tuple[int, int, int]:
+    def _exchange_buffers(self, layer) -> list | None:
+        """The source's floating-point buffers of `layer` (BatchNorm's running statistics), on every replica.
+        They are each rank's own: DDP copies rank 0's into the others at each forward, then every rank updates
+        them from its own batch, so after a step they differ between healthy replicas, and a layer recomputed
+        in eval mode with its own would differ on every one. Recomputed with the source's, the replicas
+        compare what is replicated: the parameters and the device's arithmetic. None: no such buffer."""
+        import torch
+
+        buffers = [b for b in layer.buffers() if b.is_floating_point()]
+        if not buffers:
+            return None
+        assert self._broadcast is not None  # set by attach() with the layers
+        if self.rank == self.source:  # float64 holds every narrower float exactly
+            flat = torch.cat([b.detach().to("cpu", torch.float64).reshape(-1) for b in buffers])
+        else:
+            flat = torch.empty(sum(b.numel() for b in buffers), dtype=torch.float64)
+        self._broadcast(flat, src=self.source, group=self.group)
+        return list(flat.split([b.numel() for b in buffers]))
+
+    def _recompute(self, layer, x, step: int, source_buffers: list | None = None) -> tuple[int, int, int]:
         import torch
 
         params = [p for p in layer.parameters() if p.requires_grad]
@@ -256,6 +278,7 @@ class Replay:
         # eval mode draws no random numbers; forking the RNG is a guard for layers that still do
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), forced_eager():
             layer.eval()
+            own = _swap_buffers(layer, source_buffers) if source_buffers is not None else None
             try:
                 with torch.enable_grad():
                     inp = x.requires_grad_(True) if x.is_floating_point() else x
@@ -265,11 +288,30 @@ class Replay:
                     wrt = ([inp] if inp.requires_grad else []) + params
                     grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
             finally:
+                if own is not None:
+                    _swap_buffers(layer, own)
                 layer.train(was_training)
         tensors = [out.detach()] + [g for g in grads if g is not None] + [p.detach() for p in params]
         digests = _fingerprints(tensors)
         n_grads = sum(g is not None for g in grads)
         return digests[0], _combine(digests[1 : 1 + n_grads]), _combine(digests[1 + n_grads :])
+
+
+def _has_parameters(module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _swap_buffers(layer, values: list) -> list:
+    """Puts `values` (flat, in `layer.buffers()` order of its floating ones) into the layer's floating
+    buffers in place; returns what they held, in the same form."""
+    import torch
+
+    buffers = [b for b in layer.buffers() if b.is_floating_point()]
+    held = [b.detach().reshape(-1).clone() for b in buffers]
+    with torch.no_grad():
+        for b, v in zip(buffers, values):
+            b.copy_(v.reshape(b.shape).to(b.device, b.dtype))
+    return held
 
 
 def _fingerprints(tensors: list) -> list[int]:
