@@ -212,6 +212,38 @@ def test_a_twenty_step_episode_of_a_busy_machine_is_not_a_straggler(seed):
     assert found == []
 
 
+def _shared_gpu_run(slow, seed: int, steps: int = 420) -> list:
+    """4 ranks on one GPU: compute judged by GPU-side spans, the detector told the GPU is shared."""
+    det = StragglerDetector()
+    det.shared_gpu = True
+    return _feed(
+        det,
+        range(1, steps),
+        WORLD,
+        lambda r, s: 0.004,
+        wait=lambda r, s: 0.004 if slow(r, s) > 1 else 0.01,
+        gpu=lambda r, s: 0.012 * slow(r, s),
+        gpu_wait=lambda r, s: 0.002 if slow(r, s) > 1 else 0.006,
+        seed=seed,
+        noise=0.08,
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ranks_sharing_a_gpu_a_rank_slowed_for_good_is_named_by_the_fine_tier(seed):
+    """A 10 % sleep in one rank's forward read 1.25-1.3x on its GPU-side span with 4 ranks on one H100."""
+    found = _shared_gpu_run(lambda r, s: 1.27 if r == 2 and s >= 60 else 1.0, seed)
+    assert [(f.culprit_ranks, f.evidence["type"]) for f in found] == [([2], "compute")]
+    assert "fine" in found[0].evidence["basis"] and found[0].step - 60 <= FINE_WINDOW + FINE_M
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ranks_sharing_a_gpu_take_turns_at_being_slow(seed):
+    """The GPU's scheduler hands the waiting around: each rank in turn 1.3-1.45x for tens of steps."""
+    assert _shared_gpu_run(lambda r, s: 1.4 if (s // 45) % 4 == r else 1.0, seed) == []
+    assert _shared_gpu_run(lambda r, s: 1.3 if r == 1 and 100 <= s < 180 else 1.0, seed) == []
+
+
 @pytest.mark.parametrize("world", [(0, 1), WORLD])
 def test_a_cuda_job_is_never_judged_by_host_cpu_time(world):
     """Rank 0's host CPU time 1.6x its peers' (seen on a clean 2-GPU FSDP2 job): with GPU compute off, or with
