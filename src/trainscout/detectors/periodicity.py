@@ -92,6 +92,16 @@ def peers_rate(
     return statistics.median(counts) / max(1, step - since) if counts else 0.0
 
 
+def off_rate(found: Period, spikes: Iterable[int]) -> float:
+    """The rate (spikes per step) of the rank's own spikes off the progression, over the progression's span: a
+    rank spiking in half the steps of a burst lines some up at any short period by chance, and its peers'
+    rate, however low, does not say so."""
+    hits = set(found.hits)
+    first, last = found.hits[0], found.hits[-1]
+    off = sum(1 for s in set(spikes) if first <= s <= last and s not in hits)
+    return off / max(1, last - first + 1 - len(hits))
+
+
 def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False) -> bool:
     """Whether spikes at `rate` per step, at random, could hardly have made `found`: the binomial chance of
     its hits on its slots (a slot spans the progression's slack), times the progressions `spikes_seen` spikes

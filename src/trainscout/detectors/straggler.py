@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, LinkProbe
-from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, peers_rate, regular_period
+from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, off_rate, peers_rate, regular_period
 from trainscout.detectors.side_work import MainRankSideWork
 from trainscout.detectors.time_split import (
     BLOCKED,
@@ -532,7 +532,9 @@ class StragglerDetector(DetectorBase):
         found = regular_period(spikes, self.intermittent_min, ending_at=spikes[-1] if spikes else None)
         if found is None:
             return None  # not regular, or (nearly) every step: the persistent rule covers that
-        rate = peers_rate(rank, logs, found.hits[-1], WARMUP_STEPS, span_start=found.hits[0])
+        rate = max(
+            peers_rate(rank, logs, found.hits[-1], WARMUP_STEPS, span_start=found.hits[0]), off_rate(found, spikes)
+        )
         if not beyond_chance(found, rate, min(len(spikes), LOOKBACK)):
             return None  # its peers spike as often: a progression of their rate's chance (periodicity.py)
         self._reported.add(key)

@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from trainscout.consensus.leave_one_out import max_without, median_without
-from trainscout.detectors.periodicity import LOOKBACK, Period, beyond_chance, peers_rate, regular_period
+from trainscout.detectors.periodicity import LOOKBACK, Period, beyond_chance, off_rate, peers_rate, regular_period
 from trainscout.findings import STRAGGLER, Finding
 
 SPREAD_STEPS = 64
@@ -101,7 +101,7 @@ BLOCKED = Part(
     spike_abs_s=0.02,
     intermittent_min=3,
     arrival=False,
-    small_intermittent_min=6,
+    small_intermittent_min=4,
     what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)",
     duty_window=32,
     duty_rel=0.05,
@@ -440,7 +440,7 @@ class PartWatch:
         found = regular_period(log[rank], need, exact=exact, ending_at=step)
         if found is None:
             return None
-        rate = peers_rate(rank, log, step, self._first_step, span_start=found.hits[0])
+        rate = max(peers_rate(rank, log, step, self._first_step, span_start=found.hits[0]), off_rate(found, log[rank]))
         return found if beyond_chance(found, rate, min(len(log[rank]), LOOKBACK), exact) else None
 
 
