@@ -118,3 +118,15 @@ def test_the_peers_rate_covers_the_span_of_the_progression():
     assert peers_rate(1, logs, step=616, first_step=20, span_start=49) == 1 / 568  # since step 48: 2, 1, 1
     then = {r: [s for s in steps if s <= 105] for r, steps in logs.items()}
     assert peers_rate(1, then, step=105, first_step=20, span_start=49) == 1 / 85  # the 200 steps reach back further
+
+
+def test_the_rate_off_the_progression_is_the_ranks_own_over_its_span():
+    from trainscout.detectors.periodicity import off_rate
+
+    burst = [150, 152, 155, 157, 158, 161]  # a healthy rank blocked in half the steps of a burst
+    found = regular_period(burst, 4, exact=True)
+    assert found is not None and found.hits == [152, 155, 158, 161]
+    assert off_rate(found, burst) == 1 / 6  # 157, over the span's 6 steps off the slots
+    assert not beyond_chance(found, max(0.0, off_rate(found, burst)), len(burst), exact=True)
+    clean = regular_period([100, 106, 112, 118], 4, exact=True)
+    assert off_rate(clean, [100, 106, 112, 118]) == 0.0 and beyond_chance(clean, 0.005, 4, exact=True)
