@@ -446,6 +446,28 @@ def test_clean_exit_while_peers_issue_more_collectives_and_fail_is_early_exit():
     assert (f.kind, f.culprit_ranks) == ("early_exit", [2])
 
 
+def test_a_rank_out_of_data_that_shadows_its_peers_to_the_end_did_not_exit_early():
+    """DDP with uneven inputs (the Join context manager): rank 2 ran out of batches at step 140 and shadowed its
+    peers' collectives until they finished at step 200; then all left, rank 2 a moment first."""
+    ranks = {r: obs(r, [pg(900)], step=200, exit=_exit("exit", 0, step=200), seen_at=100.05 + r * 0.01) for r in WORLD}
+    ranks[2] = obs(2, [pg(900)], step=140, exit=_exit("exit", 0, step=140), seen_at=100.0)
+    assert ExitDetector().update(110.0, ranks, {}, launcher_done=True) == []
+
+
+def test_a_clean_exit_whose_peers_step_on_without_it_is_early_exit():
+    """Rank 2 left after step 20 and its peers, sharing no collective with it, went on."""
+    det = ExitDetector()
+    gone = obs(2, [pg(45)], step=20, exit=_exit("exit", 0, step=20), seen_at=100.0)
+    found = {}
+    for now, step in ((99.0, 21), (100.0, 21), (101.0, 22)):  # the first: a state from before the exit
+        ranks = {r: obs(r, [pg(45 + step)], step=step, seen_at=now) for r in (0, 1, 3)}
+        found[now] = det.update(now, {**ranks, 2: gone}, {}, launcher_done=False)
+    assert found[99.0] == found[100.0] == []  # ahead of it, but not seen to step on after it left
+    (f,) = found[101.0]
+    assert (f.kind, f.culprit_ranks, f.step) == ("early_exit", [2], 20)
+    assert "went on to step 22" in f.summary
+
+
 def test_only_teardown_signals_blame_nobody():
     ranks = {r: obs(r, [pg(45)], exit=_exit("signal", sig=2, msg="received SIGINT")) for r in WORLD}
     assert ExitDetector().update(105.0, ranks, {}, launcher_done=True) == []

@@ -93,6 +93,10 @@ class ExitDetector(DetectorBase):
         self.blocked_s = blocked_s
         self.max_wait_s = max_wait_s
         self.done = False
+        # exited rank -> peer -> the peer's step in its first state seen after that exit: a peer that steps on
+        # from there went on without the rank. Its step alone is no such sign: with uneven inputs (DDP's Join) a
+        # rank out of data stops stepping but shadows its peers' collectives to the end, and leaves with them.
+        self._steps_after_exit: dict[int, dict[int, int]] = {}
 
     def judge(self, view: JobView) -> Judgement:
         if view.root_found:
@@ -159,7 +163,7 @@ class ExitDetector(DetectorBase):
                 for p in ranks.values()
                 if p.rank != o.rank and (p.state.exit is None or p.exited_at() > o.exited_at())
             ]
-            if any(p.state.step > o.state.step for p in others):
+            if self._went_on_without(o, others):
                 early.append(o)
                 continue
             waiting = [p for p in others if _issued_more(p, o)]
@@ -168,6 +172,18 @@ class ExitDetector(DetectorBase):
             if failed or blocked:
                 early.append(o)
         return early
+
+    def _went_on_without(self, gone: RankObs, others: list[RankObs]) -> bool:
+        """Some peer stepped past `gone`'s step after `gone` exited, as the peer's own states tell."""
+        base = self._steps_after_exit.setdefault(gone.rank, {})
+        went_on = False
+        for p in others:
+            if p.rank not in base:
+                if p.seen_at >= _exited_at(gone):  # its first state from after the exit
+                    base[p.rank] = p.state.step
+                continue
+            went_on = went_on or p.state.step > max(base[p.rank], gone.state.step)
+        return went_on
 
     def _early_finding(self, early, ranks, exited) -> Finding:
         first = early[0]
