@@ -145,6 +145,11 @@ class Probe:
         every, budget = checks.replay.every, checks.replay.budget
         self.replay = Replay(self.publisher.append_locked, every, rank, budget) if every > 0 else None
         self._side_group = None  # gloo group over the world with a bounded timeout: replay, link probes
+        # Join contexts entered (uneven inputs): a rank out of data stops stepping and shadows its peers'
+        # collectives, so work that every rank must do at the same step (replay, link probes) would wait for it
+        self.joins = 0
+        self._join_notice = None  # (work, group size) of the last "not joined yet" all-reduce in a Join context
+        self._uneven = False  # a rank in this Join context has run out of data
         self.link_probe = None
         if checks.link_probe:
             self.link_probe = LinkProbe(self.publisher.append_locked, rank, self.report_error)
@@ -198,6 +203,7 @@ class Probe:
                 self._guarded(self.gather_check.wrap, "all-gather check"),
             )
         h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
+        h.on_import("torch.distributed.algorithms.join", self._guarded(self._watch_joins, "uneven-input watch"))
         h.on_import("torch._dynamo", self._guarded(self.activity.watch_compiles, "compile marks"))
         h.on_import("torch._dynamo", self._guarded(compiled.on_dynamo_import, "hooks kept out of compiled code"))
         if self.nonfinite is not None:
@@ -406,6 +412,25 @@ class Probe:
 
         return run
 
+    def _watch_joins(self, module) -> None:
+        _watch_joins_of(self, module)
+
+    def _uneven_now(self) -> bool:
+        """Whether some rank of the Join context has run out of data, as this step's "not joined yet" all-reduce
+        counted (the same count on every rank, so every rank decides alike). Unknown counts as yes: a CUDA count
+        (read only by synchronising), or no such all-reduce this step."""
+        if self._uneven:
+            return True
+        notice, self._join_notice = self._join_notice, None
+        if notice is None:
+            self._uneven = True
+            return True
+        work, size = notice
+        work.wait()  # done already: DDP's reducer waits for it before backward ends
+        count = work.result()[0]
+        self._uneven = count.is_cuda or int(count.item()) < size
+        return self._uneven
+
     def _hook_ddp(self, module) -> None:
         """Learn parameter names and the data-parallel group (replicas) from DDP's constructor."""
         cls = module.DistributedDataParallel
@@ -537,6 +562,10 @@ class Probe:
                 self.report_error(f"whole-state check failed: {exc!r}")
         layers = command["layers"] if command is not None else []
         several = len(layers) > 1
+        if self.joins and self._uneven_now():  # a peer out of data never reaches this step (_watch_joins_of)
+            if request is not None and self.step >= request["step"]:
+                self._replay_request = None  # skipped by every replica alike, not missed
+            return
         if self.replay is not None and (on_command or self.replay.due(self.step)):
             try:
                 if several:
@@ -565,6 +594,40 @@ class Probe:
             except Exception as exc:  # fail open
                 self.link_probe = None
                 self.report_error(f"link probe disabled: {exc!r}")
+
+
+def _watch_joins_of(probe: Probe, module) -> None:
+    """Count the Join contexts (torch.distributed.algorithms.join) a rank is in. Within one, ranks run out of
+    data at different steps: one that has does no more optimizer steps while its peers go on, so a replay or
+    link probe at a step number would have its peers wait for it in the side group (60 s, then replay off).
+    Every rank enters and leaves the context together, so all skip the same steps."""
+    cls = module.Join
+    if getattr(cls, "_trainscout_watched", False):
+        return
+    enter, leave, notify = cls.__enter__, cls.__exit__, cls.notify_join_context
+
+    def __enter__(self):
+        probe.joins += 1
+        probe._uneven = False
+        return enter(self)
+
+    def __exit__(self, *exc):
+        try:
+            return leave(self, *exc)
+        finally:
+            probe.joins -= 1
+
+    def notify_join_context(joinable):
+        work = notify(joinable)
+        if work is not None:  # the first joinable's all-reduce of ones: its sum counts the ranks not yet out
+            import torch.distributed as dist
+
+            probe._join_notice = (work, dist.get_world_size(joinable.join_process_group))
+        return work
+
+    cls.__enter__, cls.__exit__ = __enter__, __exit__
+    cls.notify_join_context = staticmethod(notify_join_context)
+    cls._trainscout_watched = True
 
 
 def _world_group_name() -> str:
