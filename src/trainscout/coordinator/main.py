@@ -149,7 +149,6 @@ class Coordinator:
         self._top_step = 0
         self._step_walls: deque = deque(maxlen=64)  # recent steps' wall seconds, any rank (the current step rate)
         self.rank_node: dict[int, bytes] = {}
-        self.rank_node_id: dict[int, str] = {}  # the node a rank runs on, as its agent names it
         self.nodes: dict[bytes, dict] = {}
         self.launcher_codes: dict[int, int] = {}
         self.launcher_done = False
@@ -262,7 +261,6 @@ class Coordinator:
                     self._next_attempt(st.attempt, now)
                 self.ranks[st.rank] = RankObs(state=st, host=msg.host, seen_at=now)
                 self.rank_node[st.rank] = identity
-                self.rank_node_id[st.rank] = msg.node_id
                 current.append(st)
             if len(current) != len(msg.ranks):  # detectors see the current attempt's ranks only
                 msg = msgspec.structs.replace(msg, ranks=current)
@@ -291,8 +289,9 @@ class Coordinator:
             if msg.final and msg.exit_code == 0:
                 # torchrun succeeds only when every worker did, and then names none: each of this node's ranks
                 # exited 0, also one that left no record of its own (os._exit after its work)
-                for rank, node_id in self.rank_node_id.items():
-                    if node_id == msg.node_id:
+                agent = msg.node_id.encode()  # an agent's identity on the wire is its node's name
+                for rank, identity in self.rank_node.items():
+                    if identity == agent:
                         self.launcher_codes.setdefault(rank, 0)
             self.events.write(
                 "launcher_exit" if msg.final else "worker_exits", exit_code=msg.exit_code, workers=msg.worker_exits

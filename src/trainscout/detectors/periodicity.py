@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 MIN_PERIOD = 3  # spikes closer together are a persistently slow rank, the persistent rule's case
@@ -100,6 +100,19 @@ def off_rate(found: Period, spikes: Iterable[int]) -> float:
     first, last = found.hits[0], found.hits[-1]
     off = sum(1 for s in set(spikes) if first <= s <= last and s not in hits)
     return off / max(1, last - first + 1 - len(hits))
+
+
+def intermittent_period(
+    rank: int, logs: Mapping[int, Sequence[int]], min_hits: int, first_step: int, exact: bool = False
+) -> Period | None:
+    """The period of the progression ending at the rank's newest spike, if spikes at random could hardly have
+    made it: at its peers' rate over its span, or at its own rate off it where that is higher."""
+    spikes = logs[rank]
+    found = regular_period(spikes, min_hits, exact=exact, ending_at=spikes[-1])
+    if found is None:
+        return None
+    rate = max(peers_rate(rank, logs, found.hits[-1], first_step, span_start=found.hits[0]), off_rate(found, spikes))
+    return found if beyond_chance(found, rate, min(len(spikes), LOOKBACK), exact) else None
 
 
 def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False) -> bool:

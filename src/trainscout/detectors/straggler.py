@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, LinkProbe
-from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, off_rate, peers_rate, regular_period
+from trainscout.detectors.periodicity import intermittent_period
 from trainscout.detectors.side_work import MainRankSideWork
 from trainscout.detectors.time_split import (
     BLOCKED,
@@ -528,15 +528,10 @@ class StragglerDetector(DetectorBase):
         if key in self._reported or (rank, metric.label, "persistent") in self._reported:
             return None  # a rank named slow at every step is not news when it is also slow at some
         logs = self._flag_log.get(metric.label, {})
-        spikes = logs.get(rank, deque())
-        found = regular_period(spikes, self.intermittent_min, ending_at=spikes[-1] if spikes else None)
+        # not regular, or (nearly) every step (the persistent rule's case), or as likely by chance (periodicity.py)
+        found = intermittent_period(rank, logs, self.intermittent_min, WARMUP_STEPS)
         if found is None:
-            return None  # not regular, or (nearly) every step: the persistent rule covers that
-        rate = max(
-            peers_rate(rank, logs, found.hits[-1], WARMUP_STEPS, span_start=found.hits[0]), off_rate(found, spikes)
-        )
-        if not beyond_chance(found, rate, min(len(spikes), LOOKBACK)):
-            return None  # its peers spike as often: a progression of their rate's chance (periodicity.py)
+            return None
         self._reported.add(key)
         recent = found.hits[-self.intermittent_min :]
         return Finding(

@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from trainscout.consensus.leave_one_out import max_without, median_without
-from trainscout.detectors.periodicity import LOOKBACK, Period, beyond_chance, off_rate, peers_rate, regular_period
+from trainscout.detectors.periodicity import LOOKBACK, intermittent_period
 from trainscout.findings import STRAGGLER, Finding
 
 SPREAD_STEPS = 64
@@ -404,10 +404,10 @@ class PartWatch:
                 continue
             found, need = None, p.intermittent_min
             if big:
-                found = self._regular(r, step, self._spike_log, need, exact=False)
+                found = intermittent_period(r, self._spike_log, need, self._first_step)
             if found is None and p.small_intermittent_min:
                 need = p.small_intermittent_min
-                found = self._regular(r, step, self._small_log, need, exact=True)
+                found = intermittent_period(r, self._small_log, need, self._first_step, exact=True)
             if found is None:
                 continue
             self._reported.add((r, "intermittent"))
@@ -433,15 +433,6 @@ class PartWatch:
                 )
             )
         return out
-
-    def _regular(self, rank: int, step: int, log: dict[int, deque], need: int, exact: bool) -> Period | None:
-        """The period of the rank's recent spikes, if its peers' spike rate could hardly have made it
-        (periodicity.py)."""
-        found = regular_period(log[rank], need, exact=exact, ending_at=step)
-        if found is None:
-            return None
-        rate = max(peers_rate(rank, log, step, self._first_step, span_start=found.hits[0]), off_rate(found, log[rank]))
-        return found if beyond_chance(found, rate, min(len(log[rank]), LOOKBACK), exact) else None
 
 
 def _level(window, low: int) -> float:

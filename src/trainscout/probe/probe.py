@@ -203,7 +203,10 @@ class Probe:
                 self._guarded(self.gather_check.wrap, "all-gather check"),
             )
         h.on_import("torch.autograd", self._guarded(self._patch_backward, "step timing and loss check"))
-        h.on_import("torch.distributed.algorithms.join", self._guarded(self._watch_joins, "uneven-input watch"))
+        h.on_import(
+            "torch.distributed.algorithms.join",
+            self._guarded(functools.partial(_watch_joins_of, self), "uneven-input watch"),
+        )
         h.on_import("torch._dynamo", self._guarded(self.activity.watch_compiles, "compile marks"))
         h.on_import("torch._dynamo", self._guarded(compiled.on_dynamo_import, "hooks kept out of compiled code"))
         if self.nonfinite is not None:
@@ -411,9 +414,6 @@ class Probe:
                 self.report_error(f"{what} disabled: {exc!r}")
 
         return run
-
-    def _watch_joins(self, module) -> None:
-        _watch_joins_of(self, module)
 
     def _uneven_now(self) -> bool:
         """Whether some rank of the Join context has run out of data, as this step's "not joined yet" all-reduce

@@ -257,7 +257,7 @@ class Replay:
         compare what is replicated: the parameters and the device's arithmetic. None: no such buffer."""
         import torch
 
-        buffers = [b for b in layer.buffers() if b.is_floating_point()]
+        buffers = _floating_buffers(layer)
         if not buffers:
             return None
         assert self._broadcast is not None  # set by attach() with the layers
@@ -301,12 +301,16 @@ def _has_parameters(module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _floating_buffers(layer) -> list:
+    return [b for b in layer.buffers() if b.is_floating_point()]
+
+
 def _swap_buffers(layer, values: list) -> list:
-    """Puts `values` (flat, in `layer.buffers()` order of its floating ones) into the layer's floating
-    buffers in place; returns what they held, in the same form."""
+    """Puts `values` (flat, in the order of _floating_buffers) into the layer's floating buffers in place;
+    returns what they held, in the same form."""
     import torch
 
-    buffers = [b for b in layer.buffers() if b.is_floating_point()]
+    buffers = _floating_buffers(layer)
     held = [b.detach().reshape(-1).clone() for b in buffers]
     with torch.no_grad():
         for b, v in zip(buffers, values):
