@@ -350,6 +350,13 @@ def start_demo_with_fault(jobs, tmp_path: Path, name: str, inject: str, steps: i
     return jobs([*args, "--inject", inject, "--", *launch, *script_args], tmp_path, run_id)
 
 
+def start_under_trainscout(jobs, tmp_path: Path, name: str, launch: list[str], *options: str) -> Job:
+    """`trainscout run [options] -- <launch>`, started through the `jobs` fixture and left running."""
+    run_id = unique_run_id(name)
+    args = trainscout_cmd("run", "--run-dir", str(tmp_path), "--run-id", run_id, "--console", "plain", *options)
+    return jobs([*args, "--", *launch], tmp_path, run_id)
+
+
 def stop_once_found(job: Job, enough, timeout: float = JOB_TIMEOUT_S) -> JobResult:
     """Once findings.jsonl holds what `enough(findings)` waits for, Ctrl-C the job as a user would; its result.
 

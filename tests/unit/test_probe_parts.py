@@ -37,7 +37,15 @@ def test_a_real_replay_and_link_probe_report_what_they_did():
     records: list = []
     rp = replay.Replay(lambda *a: records.append(a), every=5, rank=0)
     assert isinstance(rp, Part)
-    assert rp.costs() == {"seconds": 0.0, "count": 0, "every": 5, "interval": 5}
+    assert rp.costs() == {
+        "seconds": 0.0,
+        "count": 0,
+        "every": 5,
+        "interval": 5,
+        "layers": 0,
+        "layer_names": [],
+        "left_out": [],
+    }
     lp = link_probe.LinkProbe(lambda *a: records.append(a), 0, lambda text: None)
     assert isinstance(lp, Part) and lp.costs() is None  # nothing probed: nothing to say
 

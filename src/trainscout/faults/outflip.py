@@ -5,11 +5,13 @@ including a later call of the layer by anyone else (an in-situ replay of the lay
 that is how it is confirmed). Two mechanisms, so a detector cannot lean on one:
   hook:  a forward hook returns the changed output;
   patch: the module's forward is wrapped (an instance attribute), so the module itself returns it.
-Tuple outputs have their first element changed (the hidden states of most blocks).
+Tuple outputs have their first element changed (the hidden states of most blocks), dict and dataclass outputs
+their first tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +24,14 @@ _NO_INSTANCE_FORWARD = object()
 
 def scaled_output(output: Any, factor: float) -> Any:
     """`output` with its (first) tensor multiplied by factor; anything else passes unchanged."""
+    if isinstance(output, dict):  # a dict, or a library's model-output record (a dict subclass)
+        key = next((k for k, v in output.items() if hasattr(v, "mul")), None)
+        if key is not None:
+            output[key] = output[key] * factor
+        return output
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        field = next((f.name for f in dataclasses.fields(output) if hasattr(getattr(output, f.name), "mul")), None)
+        return output if field is None else dataclasses.replace(output, **{field: getattr(output, field) * factor})
     if isinstance(output, (tuple, list)) and output and hasattr(output[0], "mul"):
         first = output[0] * factor
         if hasattr(output, "_make"):  # a namedtuple

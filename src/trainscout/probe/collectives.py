@@ -231,6 +231,33 @@ class CollectiveTap:
             self._on_error(f"collective tap disabled: {exc!r}")
             return None
 
+    def patch_coalesced(self, dist_module) -> None:
+        """Time `torch.distributed._broadcast_coalesced` as a collective wait. DDP calls it before each forward to
+        re-broadcast the model's buffers from rank 0 (`broadcast_buffers`, its default, for any model with
+        buffers: BatchNorm statistics, rotary tables), a C++ call the wrappers above never see. Its wait was
+        counted as time blocked outside collectives, and rank 0, the root, which waits there for its slowest
+        receiver, was named a straggler on a busy machine."""
+        fn = getattr(dist_module, "_broadcast_coalesced", None)
+        if fn is None or getattr(fn, "__trainscout_wrapped__", False):
+            return
+        self.originals["_broadcast_coalesced"] = fn
+
+        @functools.wraps(fn)
+        def _broadcast_coalesced(process_group, *args, **kwargs):
+            if _compiling() or self.on_wait is None:
+                return fn(process_group, *args, **kwargs)
+            t0 = time.perf_counter()
+            begin = self.on_begin() if self.on_begin is not None else None
+            try:
+                return fn(process_group, *args, **kwargs)
+            finally:
+                self.on_wait(getattr(process_group, "group_name", "0"), time.perf_counter() - t0)
+                if begin is not None and self.on_end is not None:
+                    self.on_end(begin)
+
+        _broadcast_coalesced.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
+        dist_module._broadcast_coalesced = _broadcast_coalesced
+
     # ---- functional collectives (DTensor, TorchTitan): recorded before issue as well ----------------
     def patch_functional(self, funcol_module) -> None:
         """Wrap `torch.distributed._functional_collectives.all_reduce`. Its call returns at once and the

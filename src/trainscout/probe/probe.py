@@ -11,6 +11,7 @@ import faulthandler
 import functools
 import os
 import signal
+import sys
 import time
 
 from trainscout import config, log
@@ -143,7 +144,9 @@ class Probe:
         # (a replay synchronises with the GPU: ~14 ms on a 10 ms host-bound CUDA step). A replay budget of 0
         # means exactly every `every` steps (tests, short jobs).
         every, budget = checks.replay.every, checks.replay.budget
-        self.replay = Replay(self.publisher.append_locked, every, rank, budget) if every > 0 else None
+        self.replay = (
+            Replay(self.publisher.append_locked, every, rank, budget, report=self.report_error) if every > 0 else None
+        )
         self._side_group = None  # gloo group over the world with a bounded timeout: replay, link probes
         # Join contexts entered (uneven inputs): a rank out of data stops stepping and shadows its peers'
         # collectives, so work that every rank must do at the same step (replay, link probes) would wait for it
@@ -193,6 +196,11 @@ class Probe:
             self._guarded(self.tap.patch_functional, "functional collective tap"),
         )
         h.on_import("torch.nn.parallel.distributed", self._guarded(self._hook_ddp, "DDP hook"))
+        # DDP's buffer broadcast (torch.distributed is whole by the time DDP's module is imported)
+        h.on_import(
+            "torch.nn.parallel.distributed",
+            self._guarded(lambda _: self.tap.patch_coalesced(sys.modules["torch.distributed"]), "buffer-sync timing"),
+        )
         h.on_import(
             "torch.distributed.fsdp._fully_shard._fully_shard",
             self._guarded(self._hook_fully_shard, "step timing (FSDP forward)"),

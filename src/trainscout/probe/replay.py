@@ -26,9 +26,12 @@ budget (checks.replay.budget = 0, TRAINSCOUT_REPLAY_BUDGET=0) replays are at exa
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from trainscout.probe.compiled import compile_wrapper, compiled_in_place, eager_hook, forced_eager
@@ -38,15 +41,26 @@ _NOT_CALLED = -2  # header: the layer's hook did not run on the source (-1: its 
 UNCALLED_TO_WHOLE = 2  # scheduled replays in a row whose layer's hook never ran: replay the whole model
 WHOLE_MODEL = "model"  # the layer name of a model replayed whole
 MAX_STRETCH = 50  # a budgeted interval is at most this many times `every`
+_PACKED = -4  # header: the input is a whole call (positional and keyword arguments), sent as bytes
 _HEADER = 13  # ndim, dtype, up to 10 dims, the next interval
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
+
+
+@dataclass
+class _Call:
+    """A layer's input that is more than one tensor: its positional and keyword arguments (a transformer block
+    called with its hidden states, an attention mask and rotary embeddings)."""
+
+    args: tuple
+    kwargs: dict
 
 
 class Replay:
     name = "replay"  # its figures' key in the rank's cost report
 
-    def __init__(self, append, every: int, rank: int, budget: float = 0.0) -> None:
+    def __init__(self, append, every: int, rank: int, budget: float = 0.0, report=None) -> None:
         self.append = append
+        self.report = report  # a warning for the user (a layer left out of replay), or None
         self.every = max(1, every)
         self.budget = max(0.0, budget)  # 0: replay at the multiples of `every`
         self.interval = self.every  # steps to the next scheduled replay (budgeted mode), agreed at each replay
@@ -66,9 +80,18 @@ class Replay:
         self.spent_s = 0.0
         self._broadcast: Callable | None = None
         self._next_index = 0
+        self._failed: set[str] = set()  # layers whose recomputation raised: left out, on every replica alike
 
     def costs(self) -> dict:
-        return {"seconds": self.spent_s, "count": self.count, "every": self.every, "interval": self.interval}
+        return {
+            "seconds": self.spent_s,
+            "count": self.count,
+            "every": self.every,
+            "interval": self.interval,
+            "layers": len(self.layers),
+            "layer_names": [name for name, _ in self.layers],  # what the rotation covers, for the user
+            "left_out": sorted(self._failed),
+        }
 
     def attach(self, module, group, source: int, broadcast) -> None:
         """module: the replicated model; group: side group of its replicas; broadcast: unwrapped dist.broadcast."""
@@ -85,13 +108,7 @@ class Replay:
         elif compiled_in_place(module):
             layers.append((WHOLE_MODEL, module))
         else:
-            for name, child in module.named_children():
-                if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                    # a block's activations (nn.ReLU in a Sequential) hold no weights: nothing of the replica's
-                    # own to check, and no device to recompute on
-                    layers.extend((f"{name}.{i}", c) for i, c in enumerate(child) if _has_parameters(c))
-                elif _has_parameters(child):
-                    layers.append((name, child))
+            layers = _rotation_layers(module, nn)
         self.layers = layers
         self._next_index = 0
 
@@ -109,7 +126,8 @@ class Replay:
             return
         chosen = [self.layers[self._next_index]] if names is None else [(n, m) for n, m in self.layers if n in names]
         for name, layer in chosen:
-            self._handles.append(layer.register_forward_pre_hook(eager_hook(self._capture_hook(name))))
+            hook = eager_hook(self._capture_hook(name))
+            self._handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _disarm(self) -> None:
         for handle in self._handles:
@@ -118,10 +136,14 @@ class Replay:
 
     def _capture_hook(self, name: str):
         # Registered only on the layer of the next replay (see _arm): one activation held, not one per layer.
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self._called.add(name)
-            if len(args) == 1 and hasattr(args[0], "detach") and module.training:
+            if not module.training:
+                return
+            if len(args) == 1 and not kwargs and hasattr(args[0], "detach"):
                 self._captured[name] = args[0].detach()
+            else:  # references only, as for one tensor: packed for sending at the replay
+                self._captured[name] = _Call(_map_tensors(args, _detach), _map_tensors(kwargs, _detach))
 
         return hook
 
@@ -160,7 +182,10 @@ class Replay:
             x, _ = self._exchange_input(name, self.interval)
             if x is None:
                 continue
-            out_hash, grad_hash, param_hash = self._recompute(layer, x, step, self._exchange_buffers(layer))
+            hashes = self._recompute_or_leave_out(name, layer, x, step)
+            if hashes is None:
+                continue
+            out_hash, grad_hash, param_hash = hashes
             self.count += 1
             self.append(
                 REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
@@ -197,15 +222,30 @@ class Replay:
                 self._replay_whole()
             self._last_s = time.perf_counter() - t0
             return
-        out_hash, grad_hash, param_hash = self._recompute(layer, x, step, self._exchange_buffers(layer))
-        self.count += 1
-        # the parameters' fingerprint tells a wrong computation from corrupted weights
-        self.append(
-            REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
-        )
+        hashes = self._recompute_or_leave_out(name, layer, x, step)
+        if hashes is not None:
+            out_hash, grad_hash, param_hash = hashes
+            self.count += 1
+            # the parameters' fingerprint tells a wrong computation from corrupted weights
+            self.append(
+                REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
+            )
         self._last_s = time.perf_counter() - t0
         self.spent_s += self._last_s
         del torch
+
+    def _recompute_or_leave_out(self, name: str, layer, x, step: int) -> tuple[int, int, int] | None:
+        """The layer's fingerprints, or None where recomputing it raised: a layer whose call cannot be redone
+        from its captured arguments (an argument holding state, a hook of the job's that needs more) is left
+        out of replay, the others go on. The source then sends no input for it, so every replica skips it."""
+        buffers = self._exchange_buffers(layer)
+        try:
+            return self._recompute(layer, x, step, buffers)
+        except Exception as exc:
+            self._failed.add(name)
+            if self.report is not None:
+                self.report(f"replay leaves layer {name} out: recomputing it raised {exc!r}")
+            return None
 
     def _replay_whole(self) -> None:
         """The layers' hooks do not run where the source can see them: the model's forward is traced by
@@ -224,10 +264,21 @@ class Replay:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[_HEADER - 1] = interval
         x = self._captured.get(name)
+        packed = None
         if self.rank == self.source:
+            if isinstance(x, _Call):
+                packed = None if name in self._failed else _pack(x)
             if name not in self._called:
                 header[0] = _NOT_CALLED
-            elif x is None or str(x.dtype).replace("torch.", "") not in _DTYPES or x.dim() > 10:
+            elif packed is not None:
+                header[0], header[1] = _PACKED, packed.numel()
+            elif (
+                x is None
+                or isinstance(x, _Call)
+                or name in self._failed
+                or str(x.dtype).replace("torch.", "") not in _DTYPES
+                or x.dim() > 10
+            ):
                 header[0] = -1
             else:
                 header[0] = x.dim()
@@ -236,6 +287,11 @@ class Replay:
         broadcast(header, src=self.source, group=self.group)
         interval = int(header[_HEADER - 1])
         self._uncalled = self._uncalled + 1 if int(header[0]) == _NOT_CALLED else 0
+        if int(header[0]) == _PACKED:
+            if packed is None:
+                packed = torch.empty(int(header[1]), dtype=torch.uint8)
+            broadcast(packed, src=self.source, group=self.group)
+            return _unpack(packed), interval  # the source too recomputes from the bytes: one call on every replica
         if int(header[0]) < 0:
             return None, interval
         shape = [int(v) for v in header[2 : 2 + int(header[0])]]
@@ -273,7 +329,15 @@ class Replay:
 
         params = [p for p in layer.parameters() if p.requires_grad]
         device = next(iter(layer.parameters())).device
-        x = x.to(device)
+        call = x if isinstance(x, _Call) else _Call((x,), {})
+        inputs: list = []  # the call's floating-point tensors, on the layer's device: gradients are taken of them
+
+        def to_device(t):
+            t = t.to(device)
+            if t.is_floating_point():
+                inputs.append(t.requires_grad_(True))
+            return t
+
         was_training = layer.training
         # eval mode draws no random numbers; forking the RNG is a guard for layers that still do
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), forced_eager():
@@ -281,20 +345,102 @@ class Replay:
             own = _swap_buffers(layer, source_buffers) if source_buffers is not None else None
             try:
                 with torch.enable_grad():
-                    inp = x.requires_grad_(True) if x.is_floating_point() else x
-                    out = layer(inp)
+                    args, kwargs = _map_tensors(call.args, to_device), _map_tensors(call.kwargs, to_device)
+                    # a layer may answer with several tensors (a tuple, a dict, a model-output record)
+                    outs = [t for t in _tensors_in(layer(*args, **kwargs)) if t.is_floating_point()]
                     g = torch.Generator().manual_seed(step)
-                    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float32).to(device, out.dtype)
-                    wrt = ([inp] if inp.requires_grad else []) + params
-                    grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+                    grad_outs = [
+                        torch.randn(o.shape, generator=g, dtype=torch.float32).to(device, o.dtype) for o in outs
+                    ]
+                    taken = [(o, go) for o, go in zip(outs, grad_outs) if o.requires_grad]
+                    wrt = inputs + params
+                    grads = (
+                        torch.autograd.grad([o for o, _ in taken], wrt, [go for _, go in taken], allow_unused=True)
+                        if taken and wrt
+                        else []
+                    )
             finally:
                 if own is not None:
                     _swap_buffers(layer, own)
                 layer.train(was_training)
-        tensors = [out.detach()] + [g for g in grads if g is not None] + [p.detach() for p in params]
-        digests = _fingerprints(tensors)
-        n_grads = sum(g is not None for g in grads)
-        return digests[0], _combine(digests[1 : 1 + n_grads]), _combine(digests[1 + n_grads :])
+        if not outs:
+            raise ValueError("the layer returned no floating-point tensor")
+        kept = [g for g in grads if g is not None]
+        digests = _fingerprints([o.detach() for o in outs] + kept + [p.detach() for p in params])
+        n_out, n_grads = len(outs), len(kept)
+        out_hash = digests[0] if n_out == 1 else _combine(digests[:n_out])
+        return out_hash, _combine(digests[n_out : n_out + n_grads]), _combine(digests[n_out + n_grads :])
+
+
+def _rotation_layers(module, nn, prefix: str = "") -> list[tuple[str, Any]]:
+    """The layers replay takes in turn: the model's children, the blocks of its block lists one by one, and
+    inside a model wrapped in another (a causal LM around its transformer) the inner model's parts."""
+    layers: list[tuple[str, Any]] = []
+    for name, child in module.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            # a block's activations (nn.ReLU in a Sequential) hold no weights: nothing of the replica's own to
+            # check, and no device to recompute on
+            layers.extend((f"{prefix}{name}.{i}", c) for i, c in enumerate(child) if _has_parameters(c))
+        elif any(isinstance(c, nn.ModuleList) for c in child.children()):
+            layers.extend(_rotation_layers(child, nn, f"{prefix}{name}."))
+        elif _has_parameters(child):
+            layers.append((f"{prefix}{name}", child))
+    return layers
+
+
+def _detach(t):
+    return t.detach()
+
+
+def _map_tensors(value, fn):
+    """`value` with fn applied to every tensor inside its tuples, lists and dicts; anything else as it is."""
+    if hasattr(value, "detach") and hasattr(value, "is_floating_point"):
+        return fn(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if type(value) is dict:
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _tensors_in(value) -> list:
+    """The tensors of a layer's output, in order: itself, or those in its tuples, lists, dicts (a model-output
+    record is a dict), named tuples and dataclasses."""
+    if hasattr(value, "detach") and hasattr(value, "is_floating_point"):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _tensors_in(getattr(value, f.name))]
+    return []
+
+
+def _pack(call: _Call):
+    """A call's arguments as bytes (a uint8 tensor), tensors in host memory; None if they cannot be saved."""
+    import torch
+
+    buf = io.BytesIO()
+    try:
+        torch.save((_map_tensors(call.args, _to_host), _map_tensors(call.kwargs, _to_host)), buf)
+    except Exception:  # an argument that cannot be pickled: the layer is not replayed this time
+        return None
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _to_host(t):
+    return t.detach().to("cpu")
+
+
+def _unpack(packed) -> _Call:
+    import torch
+
+    # the bytes come from the job's own source replica over its side group, as trusted as the job itself
+    args, kwargs = torch.load(io.BytesIO(packed.numpy().tobytes()), map_location="cpu", weights_only=False)
+    return _Call(tuple(args), dict(kwargs))
 
 
 def _has_parameters(module) -> bool:

@@ -1,0 +1,117 @@
+"""A causal LM shaped like the common library models (a head model around its transformer), 3-4 rank DDP on gloo.
+
+What replay has to cope with in such models, none of it in the demo's: the blocks sit one level down
+(`model.blocks.N`, not `blocks.N`); each block is called with keyword arguments (an attention mask, rotary
+embeddings as a tuple) and answers with a dict; the transformer answers with a dataclass record and the head
+model with a dict holding the loss. Unmodified training loop: torchrun, DDP, AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+VOCAB, SEQ, DIM, HEADS = 128, 32, 32, 4
+
+
+@dataclass
+class TransformerOutput:
+    last_hidden_state: torch.Tensor
+    hidden_states: tuple | None = None
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, hidden, attention_mask=None, rotary=None, use_cache=False):
+        b, t, _ = hidden.shape
+        q, k, v = self.qkv(self.norm1(hidden)).view(b, t, 3, HEADS, DIM // HEADS).transpose(1, 3).unbind(2)
+        cos, sin = rotary
+        q, k = q * cos + q.roll(1, -1) * sin, k * cos + k.roll(1, -1) * sin
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        hidden = hidden + self.proj(att.transpose(1, 2).reshape(b, t, DIM))
+        hidden = hidden + self.mlp(self.norm2(hidden))
+        return {"hidden_states": hidden, "present": None}
+
+
+class Transformer(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.LayerNorm(DIM)
+        freq = 1.0 / 10000 ** (torch.arange(DIM // HEADS) / (DIM // HEADS))
+        angles = torch.arange(SEQ)[:, None] * freq[None, :]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, input_ids, output_hidden_states=False):
+        t = input_ids.shape[1]
+        mask = torch.full((t, t), float("-inf")).triu(1)  # additive causal mask, as many models pass it
+        hidden = self.embed(input_ids)
+        rotary = (self.cos[:t], self.sin[:t])
+        seen = []
+        for block in self.blocks:
+            hidden = block(hidden, attention_mask=mask, rotary=rotary, use_cache=False)["hidden_states"]
+            seen.append(hidden)
+        return TransformerOutput(self.norm(hidden), tuple(seen) if output_hidden_states else None)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.model = Transformer(layers)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.lm_head(self.model(input_ids).last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def batch(step: int, rank: int, size: int = 8) -> torch.Tensor:
+    """Repeated motifs: a learnable language, different on every rank and step."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    period = int(torch.randint(2, 6, (1,), generator=g))
+    motif = torch.randint(0, VOCAB, (size, period), generator=g)
+    return motif.repeat(1, SEQ // period + 1)[:, :SEQ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(CausalLM(args.layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(1, args.steps + 1):
+        ids = batch(step, rank)
+        loss = model(ids, labels=ids)["loss"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if rank == 0 and step % 20 == 0:
+            print(f"step {step} loss {loss.item():.3f}", flush=True)
+    dist.destroy_process_group()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
