@@ -128,3 +128,17 @@ def test_waiting_for_dataloader_workers_is_reported_apart_from_loading_in_the_ra
         assert from_workers[8] > 0 and from_workers[8] == from_workers[0]
     finally:
         cls.__next__ = real
+
+
+def test_the_probes_own_checks_are_not_in_the_steps_wall_time():
+    """A replay or state check after the optimizer step is trainscout's time: left in the next step's wall time
+    (less its CPU) it read as time the rank was blocked, and its regular schedule as an intermittent straggler."""
+    timing, records = _timing()
+    timing.after_step(1)
+    time.sleep(0.03)  # the probe's checks after step 1
+    timing.exclude_wall(0.03)
+    timing.training_forward()
+    time.sleep(0.02)  # the training step itself
+    timing.after_step(2)
+    wall_ns = records[-1][3]
+    assert 15_000_000 <= wall_ns < 40_000_000
