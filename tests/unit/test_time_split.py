@@ -209,3 +209,12 @@ def test_a_small_block_every_sixth_step_is_named_at_its_fourth_exactly_regular_o
     found = _feed(range(1, 200), lambda r, s: 0.004 if r == 1 and s >= 100 and (s - 100) % 6 == 0 else 0.0)
     assert [(f.culprit_ranks, f.evidence["type"], f.evidence.get("period")) for f in found] == [([1], "blocked", 6)]
     assert found[0].evidence["intermittent"] is True and found[0].step == 118
+
+
+def test_a_small_block_too_rare_to_cost_the_job_anything_is_not_named():
+    """4.5 ms of a 40 ms step at exactly every 30th step (a clean library job's healthy rank showed that every
+    23rd of its 70 ms steps): 0.4 % of the job's time; the same block every 6th step (1.9 %) is named."""
+    rare = _feed(range(1, 300), lambda r, s: 0.0045 if r == 1 and s >= 30 and s % 30 == 0 else 0.0)
+    assert rare == []
+    often = _feed(range(1, 300), lambda r, s: 0.0045 if r == 1 and s >= 24 and s % 6 == 0 else 0.0)
+    assert [(f.culprit_ranks, f.evidence.get("period")) for f in often] == [([1], 6)]
