@@ -496,6 +496,19 @@ def test_replicated_state_waits_for_all_replicas_then_times_out():
     assert det.update(6.0, {"0": WORLD}, set(WORLD)) == [] and det.compared == 1
 
 
+def test_two_of_four_replicas_that_differ_name_nobody_and_leave_the_step_unclean():
+    """Replicas hash on strides of their own: a step hashed by two of four only, one of them corrupted, gave
+    "corruption detected, culprit unknown" beside the finding that had named the corrupted rank."""
+    det = ReplicaStateDetector(wait_s=5.0)
+    for r, digest in ((0, 9), (1, 7)):
+        det.add(r, "0", [StateRecord(step=119, tensor="w", start=0, end=64, digest=digest)], 0.0)
+    assert det.update(6.0, {"0": WORLD}, set(WORLD)) == [] and det.step_clean == {119: False}
+    for r, digest in ((0, 9), (1, 7), (2, 7), (3, 9)):  # the whole class, two against two: no majority, said
+        det.add(r, "0", [StateRecord(step=120, tensor="w", start=0, end=64, digest=digest)], 7.0)
+    (f,) = det.update(8.0, {"0": WORLD}, set(WORLD))
+    assert (f.status, f.culprit_ranks, f.step) == ("inconclusive", [], 120)
+
+
 def test_a_backlog_of_frames_is_no_missing_evidence():
     # three replicas reported at t=0; the fourth's report (the odd one) waits in the coordinator's queue, which
     # last ran empty at t=0.5: at t=8 the wait has not run out on the evidence clock, and the vote waits for it

@@ -87,6 +87,11 @@ class ReplicaStateDetector(DetectorBase):
                 self._forget_old()
             if verdict.status == "agree":
                 continue
+            if verdict.status != "attributed" and not complete and len(members) >= 3:
+                # replicas settle on their own strides, so some steps are hashed by part of the class only: two
+                # of four that differ say nothing of who is wrong (the one already named, most often); the step
+                # is not clean, and a step the whole class hashed will tell
+                continue
             if verdict.status == "attributed":
                 self.outliers_at.setdefault(step, set()).update(verdict.outliers)
             finding = self._finding(verdict, entry["ranks"], group, step, tensor, start, end)
