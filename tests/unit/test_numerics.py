@@ -160,3 +160,20 @@ def test_an_unreproduced_persistent_norm_deviation_is_logged_not_named():
     assert not judged("grad_norm", "persistent", "reproduced")  # a layer computing wrong: named
     assert not judged("loss", "persistent", "transient")  # a forward gone wrong moves the loss
     assert not judged("grad_norm", "spike", "transient")  # one step far beyond what batches do: named
+
+
+def test_a_loss_spike_every_replica_goes_through_names_nobody():
+    """Steps 230-245 of a clean CUDA vision job: every rank's loss left its usual 1 % spread for a 20x wider one,
+    and rank 1, 10-30 % above its peers' median in 4 of 5 of those steps, was named. The class's own spread of
+    such a step is the scale then; one rank alone gone wrong does not widen it that far and is still named."""
+    rng = random.Random(3)
+    turbulent = {}
+    for s in range(230, 246):
+        peers = {r: 1 + rng.uniform(0, 0.8) for r in (0, 2, 3)}
+        lead = sorted(peers.values())[1] * (1.2 if s % 5 else 0.9)
+        turbulent[s] = {**peers, 1: lead}
+    found = _run(range(1, 300), loss_of=lambda r, s, x: x * turbulent[s][r] if s in turbulent else x)
+    assert found == []
+    alone = _run(range(1, 300), loss_of=lambda r, s, x: x * 1.5 if r == 1 and s >= 230 else x)
+    assert [(f.rank, f.statistic, f.pattern) for f in alone] == [(1, "loss", "persistent")]
+    assert alone[0].step - 230 <= 5

@@ -48,6 +48,7 @@ NORM_PERSIST_RATIO = 1.5  # ... a persistent norm outlier >= 1.5x (or <= 1/1.5x)
 # embeddings in one 1-hour (25,000-step) CPU run; injected gradient noise gave 65-137x (z >= 80).
 SPIKE_Z, SPIKE_RATIO = 40.0, 32.0
 LOSS_CALM_Z = 3.0
+TURBULENT = 3.0  # a step whose spread across ranks is this many times the usual is judged on its own spread
 SPIKE_GAP = 50  # at most one spike suspect per rank in this many steps (a fault that repeats is not a flood)
 WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
 _TINY = 1e-30
@@ -81,7 +82,12 @@ class _Stat:
         mad = _middle(sorted(abs(v - centre) for v in ordered))
         out: dict[int, tuple[float, float, float]] = {}
         if len(self.dispersion) >= MIN_HISTORY:
-            sigma = MAD_TO_SIGMA * _middle(sorted(self.dispersion))
+            # the usual spread, or this step's where the whole class is far out of its usual (a loss spike every
+            # replica goes through: a clean vision job's ranks spread 20x wider than usual for 15 steps, and one
+            # that happened to lead in 4 of 5 was named); this step's is robust to one outlier, so a rank that
+            # alone went wrong does not widen it that far
+            usual = _middle(sorted(self.dispersion))
+            sigma = MAD_TO_SIGMA * (mad if mad > TURBULENT * usual else usual)
             sigma = max(sigma, 1e-6 * abs(centre), 1e-12)
             for r, v in values.items():
                 peers = median_without(ordered, v)  # the others' median, off the one sorted copy
