@@ -340,7 +340,11 @@ class Replay:
 
         was_training = layer.training
         # eval mode draws no random numbers; forking the RNG is a guard for layers that still do
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), forced_eager():
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            forced_eager(),
+            _deterministic_kernels(torch),
+        ):
             layer.eval()
             own = _swap_buffers(layer, source_buffers) if source_buffers is not None else None
             try:
@@ -370,6 +374,14 @@ class Replay:
         n_out, n_grads = len(outs), len(kept)
         out_hash = digests[0] if n_out == 1 else _combine(digests[:n_out])
         return out_hash, _combine(digests[n_out : n_out + n_grads]), _combine(digests[n_out + n_grads :])
+
+
+def _deterministic_kernels(torch):
+    """cuDNN's own picks for the recomputation: deterministic algorithms, no benchmarking. Its default
+    convolution backward accumulates with atomics, so two healthy replicas (or one, twice) differ in the last
+    bits: a clean CUDA vision job's replays of its convolution stages disagreed on every replica."""
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(enabled=cudnn.enabled, benchmark=False, deterministic=True, allow_tf32=cudnn.allow_tf32)
 
 
 def _rotation_layers(module, nn, prefix: str = "") -> list[tuple[str, Any]]:
