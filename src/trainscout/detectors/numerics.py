@@ -172,12 +172,14 @@ class NumericDetector(DetectorBase):
         return s
 
     def _layer_values(self, group: str, entry: dict) -> dict[str, dict[int, float]]:
-        """layer -> {rank: log norm}, finite norms only (NaN/Inf is the non-finite check's business)."""
+        """layer -> {rank: log norm}, finite norms only (NaN/Inf is the non-finite check's business), and no zero:
+        a layer no input of the rank's batch went through has no gradient there (a mixture-of-experts job's expert
+        that no token of the batch chose), and against it a rank whose tokens did choose it read 1e29x."""
         layers = self._layers.get(group, [])
         out: dict[str, dict[int, float]] = {}
         for r, norms in entry["norms"].items():
             for layer, n in zip(layers, norms):
-                if math.isfinite(n):
+                if math.isfinite(n) and n > 0:
                     out.setdefault(layer, {})[r] = math.log(max(n, _TINY))
         return {layer: v for layer, v in out.items() if len(v) >= 3}
 
