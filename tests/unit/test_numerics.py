@@ -10,6 +10,8 @@ import pytest
 
 from trainscout.coordinator.confirmation import Confirmations, numeric_finding
 from trainscout.detectors.numerics import NumericDetector
+from trainscout.detectors.replay import ReplayDetector
+from trainscout.wire.messages import ReplayRecord
 
 WORLD = (0, 1, 2, 3)
 LAYERS = ["tokens", "blocks.0", "blocks.1", "head"]
@@ -111,6 +113,31 @@ def test_a_confirmation_asks_for_the_deviating_layers_and_the_whole_state_at_one
     assert payload is not None and '"step": 150' in payload and '"state": true' in payload
     assert c.current.layers == LAYERS  # a layer going wrong shows in its neighbours' norms too: all replayed
     assert c.next_request(160, 8, now=0.0, step_s=0.05) is None  # one at a time
+
+
+def test_a_layer_no_replica_could_replay_does_not_hold_the_confirmation_back():
+    """An expert the source's batch routed no token to at the confirmation's step is skipped on every replica;
+    the confirmation resolves with the others, before its deadline, and does not list it as replayed."""
+    c = Confirmations(replay_layers=LAYERS)
+    s = _suspect()
+    c.add(s, numeric_finding(s))
+    c.next_request(150, 7, now=0.0, step_s=0.05)
+    outcomes = {(150, layer): ("agree", []) for layer in LAYERS}
+    outcomes[(150, "blocks.1")] = ("skipped", [])
+    outcomes[(150, "blocks.0")] = ("attributed", [1])
+    (f,) = c.resolve(2.0, outcomes, {150: True}, {})
+    assert f.evidence["confirmation"]["outcome"] == "reproduced" and f.evidence["confirmation"]["layers_deviating"] == [
+        "blocks.0"
+    ]
+
+
+def test_replay_records_of_a_layer_skipped_everywhere_are_an_outcome_of_their_own():
+    det = ReplayDetector()
+    det.add(0, [ReplayRecord(step=150, layer="experts.3", output=0, grads=0, params=0)], 0.0)
+    det.add(1, [ReplayRecord(step=150, layer="experts.3", output=0, grads=0, params=0)], 0.0)
+    det.add(2, [ReplayRecord(step=150, layer="experts.3", output=0, grads=0, params=0)], 0.0)
+    assert det.update(1.0, [0, 1, 2]) == []
+    assert det.outcomes[(150, "experts.3")] == ("skipped", []) and "experts.3" not in det.clean_layers
 
 
 def test_a_deviation_that_reproduces_is_named_with_confidence():

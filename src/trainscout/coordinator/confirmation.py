@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 
 from trainscout.detectors.numerics import NumericSuspect
+from trainscout.detectors.replay import SKIPPED
 from trainscout.findings import SDC, Finding
 
 LEAD_S = 2.5  # seconds of training ahead the checks are scheduled: the request must reach every probe first
@@ -77,10 +78,12 @@ class Confirmations:
         p = self.current
         if p is None:
             return []
-        replayed = {layer: replay_outcomes.get((p.step, layer)) for layer in p.layers} if p.replay else {}
+        outcomes = {layer: replay_outcomes.get((p.step, layer)) for layer in p.layers} if p.replay else {}
         state_done = p.step in state_clean
-        if not (state_done and all(v is not None for v in replayed.values())) and now < p.deadline:
+        if not (state_done and all(v is not None for v in outcomes.values())) and now < p.deadline:
             return []
+        # a layer no replica could replay at that step (not called there) says nothing either way
+        replayed = {layer: v for layer, v in outcomes.items() if v is None or v[0] != SKIPPED}
         self.current = None
         out = []
         for f in p.findings:

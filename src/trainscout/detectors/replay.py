@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # types only: detectors take plain records and import no wire
     from trainscout.wire.messages import NodeDigest, ReplayRecord
 
 
+SKIPPED = "skipped"  # a confirmation's layer that no replica could replay (all-zero records)
 KEEP_OUTCOMES = 1024  # the latest replays' outcomes, (step, layer) -> (status, outliers)
 
 
@@ -57,6 +58,9 @@ class ReplayDetector(DetectorBase):
             if not all(r in entry["ranks"] for r in replicas) and now - entry["t"] < self.wait_s:
                 continue
             del self._pending[key]
+            if all(v == (0, 0) for v in entry["ranks"].values()) and not any(entry.get("params", {}).values()):
+                self.outcomes[key] = (SKIPPED, [])  # no replica had the layer's input: nothing compared
+                continue
             if len(entry["ranks"]) < 2:
                 continue
             self.replays_compared += 1

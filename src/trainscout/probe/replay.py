@@ -180,10 +180,12 @@ class Replay:
             if name not in names:
                 continue
             x, _ = self._exchange_input(name, self.interval)
-            if x is None:
-                continue
-            hashes = self._recompute_or_leave_out(name, layer, x, step)
+            hashes = None if x is None else self._recompute_or_leave_out(name, layer, x, step)
             if hashes is None:
+                # said on every replica alike (the source's header, or a layer that cannot be recomputed), so the
+                # confirmation waiting for this layer need not wait out its deadline (an expert the source's batch
+                # never routed a token to)
+                self.append(REPLAY_PG_INDEX, step, 0, 0, time.time_ns(), step, "replay", f"{name}|")
                 continue
             out_hash, grad_hash, param_hash = hashes
             self.count += 1
