@@ -53,3 +53,30 @@ def test_a_real_replay_and_link_probe_report_what_they_did():
 def test_checks_with_results_in_flight_flush():
     for cls in (state_check.StateCheck, nonfinite.NonFiniteCheck, step_timing.StepTiming, hpz_check.HpzCheck):
         assert issubclass(cls, Flushes), cls
+
+
+def test_layers_the_forward_did_not_call_are_skipped_and_the_rotation_stays_per_layer():
+    """Experts no token was routed to are never called: replay skips them. Only hooks that never run at all (a
+    compiled forward hides them) make the whole model one layer; two uncalled experts in a row did that."""
+    import torch
+    from torch import nn
+
+    class Routed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 4)
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.experts[0](h) + self.experts[3](h)  # experts 1 and 2: never chosen
+
+    model = Routed().train()
+    rp = replay.Replay(lambda *a: None, every=1, rank=0)
+    rp.attach(model, object(), 0, lambda *a, **k: None)  # one replica: the broadcasts have nobody to reach
+    for step in range(1, 16):
+        rp.arm_if_due(step)
+        model(torch.randn(2, 4)).sum().backward()
+        rp.run(step)
+    assert [name for name, _ in rp.layers] == ["inp", "experts.0", "experts.1", "experts.2", "experts.3"]
+    assert rp.count == 9  # 3 rotations of the 3 layers called

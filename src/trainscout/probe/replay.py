@@ -73,6 +73,7 @@ class Replay:
         self.layers: list[tuple[str, Any]] = []  # (name, torch.nn.Module)
         self._captured: dict[str, Any] = {}  # layer name -> its input (a tensor)
         self._called: set[str] = set()  # armed layers whose hook ran (in eager code) since they were armed
+        self._ever_called = False  # an armed layer's hook ever ran here: a layer not called is routing, not compile
         self._uncalled = 0  # replays in a row whose layer's hook never ran
         self._root: Any = None
         self._handles: list = []
@@ -138,6 +139,7 @@ class Replay:
         # Registered only on the layer of the next replay (see _arm): one activation held, not one per layer.
         def hook(module, args, kwargs):
             self._called.add(name)
+            self._ever_called = True
             if not module.training:
                 return
             if len(args) == 1 and not kwargs and hasattr(args[0], "detach"):
@@ -272,6 +274,7 @@ class Replay:
                 packed = None if name in self._failed else _pack(x)
             if name not in self._called:
                 header[0] = _NOT_CALLED
+                header[2] = int(self._ever_called)
             elif packed is not None:
                 header[0], header[1] = _PACKED, packed.numel()
             elif (
@@ -288,7 +291,9 @@ class Replay:
                 header[2 : 2 + x.dim()] = torch.tensor(x.shape)
         broadcast(header, src=self.source, group=self.group)
         interval = int(header[_HEADER - 1])
-        self._uncalled = self._uncalled + 1 if int(header[0]) == _NOT_CALLED else 0
+        # a layer the source's forward did not call where others' hooks did run (an expert no token was routed
+        # to) is skipped; only hooks that never run anywhere on the source mean a compiled forward hides them
+        self._uncalled = self._uncalled + 1 if int(header[0]) == _NOT_CALLED and not int(header[2]) else 0
         if int(header[0]) == _PACKED:
             if packed is None:
                 packed = torch.empty(int(header[1]), dtype=torch.uint8)
