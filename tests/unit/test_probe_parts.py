@@ -80,3 +80,33 @@ def test_layers_the_forward_did_not_call_are_skipped_and_the_rotation_stays_per_
         rp.run(step)
     assert [name for name, _ in rp.layers] == ["inp", "experts.0", "experts.1", "experts.2", "experts.3"]
     assert rp.count == 9  # 3 rotations of the 3 layers called
+
+
+def test_the_rotation_goes_down_to_the_blocks_of_nested_library_models():
+    """BERT-shaped: the masked-LM model holds the model, which holds the encoder, which holds the block list; the
+    rotation was [bert, cls] (the whole encoder one layer)."""
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    class Bert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embeddings, self.encoder = nn.Embedding(8, 4), Encoder()
+
+    class MaskedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert, self.cls = Bert(), nn.Linear(4, 8)
+
+    rp = replay.Replay(lambda *a: None, every=1, rank=0)
+    rp.attach(MaskedLM(), object(), 0, lambda *a, **k: None)
+    assert [name for name, _ in rp.layers] == [
+        "bert.embeddings",
+        "bert.encoder.layer.0",
+        "bert.encoder.layer.1",
+        "cls",
+    ]

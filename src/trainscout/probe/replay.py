@@ -393,14 +393,15 @@ def _deterministic_kernels(torch):
 
 def _rotation_layers(module, nn, prefix: str = "") -> list[tuple[str, Any]]:
     """The layers replay takes in turn: the model's children, the blocks of its block lists one by one, and
-    inside a model wrapped in another (a causal LM around its transformer) the inner model's parts."""
+    inside a module that holds a block list further down (a causal LM around its transformer, BERT's encoder
+    inside its model) that module's parts."""
     layers: list[tuple[str, Any]] = []
     for name, child in module.named_children():
         if isinstance(child, (nn.ModuleList, nn.Sequential)):
             # a block's activations (nn.ReLU in a Sequential) hold no weights: nothing of the replica's own to
             # check, and no device to recompute on
             layers.extend((f"{prefix}{name}.{i}", c) for i, c in enumerate(child) if _has_parameters(c))
-        elif any(isinstance(c, nn.ModuleList) for c in child.children()):
+        elif any(isinstance(m, nn.ModuleList) for m in child.modules()):  # blocks further down (encoder.layer)
             layers.extend(_rotation_layers(child, nn, f"{prefix}{name}."))
         elif _has_parameters(child):
             layers.append((f"{prefix}{name}", child))
