@@ -110,3 +110,24 @@ def test_the_rotation_goes_down_to_the_blocks_of_nested_library_models():
         "bert.encoder.layer.1",
         "cls",
     ]
+
+
+def test_a_child_compiled_in_place_stays_one_layer_of_the_rotation():
+    """Hooks inside a compiled module are traced into its graph (a recompilation each time one is added): the
+    rotation does not go down into it, whatever block lists it holds."""
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = Encoder(), nn.Linear(4, 8)
+            self.encoder.compile()
+
+    rp = replay.Replay(lambda *a: None, every=1, rank=0)
+    rp.attach(Model(), object(), 0, lambda *a, **k: None)
+    assert [name for name, _ in rp.layers] == ["encoder", "head"]

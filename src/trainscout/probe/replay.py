@@ -401,7 +401,11 @@ def _rotation_layers(module, nn, prefix: str = "") -> list[tuple[str, Any]]:
             # a block's activations (nn.ReLU in a Sequential) hold no weights: nothing of the replica's own to
             # check, and no device to recompute on
             layers.extend((f"{prefix}{name}.{i}", c) for i, c in enumerate(child) if _has_parameters(c))
-        elif any(isinstance(m, nn.ModuleList) for m in child.modules()):  # blocks further down (encoder.layer)
+        elif (
+            not compile_wrapper(child)  # hooks inside a compiled module are traced: it stays one layer
+            and not compiled_in_place(child)
+            and any(isinstance(m, nn.ModuleList) for m in child.modules())  # blocks further down (encoder.layer)
+        ):
             layers.extend(_rotation_layers(child, nn, f"{prefix}{name}."))
         elif _has_parameters(child):
             layers.append((f"{prefix}{name}", child))
