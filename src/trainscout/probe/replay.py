@@ -182,12 +182,14 @@ class Replay:
             if name not in names:
                 continue
             x, _ = self._exchange_input(name, self.interval)
-            hashes = None if x is None else self._recompute_or_leave_out(name, layer, x, step)
-            if hashes is None:
-                # said on every replica alike (the source's header, or a layer that cannot be recomputed), so the
-                # confirmation waiting for this layer need not wait out its deadline (an expert the source's batch
-                # never routed a token to)
+            if x is None:
+                # the source's header says so to every replica alike, so the confirmation waiting for this layer
+                # need not wait out its deadline (an expert the source's batch never routed a token to). A
+                # recomputation that raises on one replica says nothing of the others: no record, as before
                 self.append(REPLAY_PG_INDEX, step, 0, 0, time.time_ns(), step, "replay", f"{name}|")
+                continue
+            hashes = self._recompute_or_leave_out(name, layer, x, step)
+            if hashes is None:
                 continue
             out_hash, grad_hash, param_hash = hashes
             self.count += 1
