@@ -82,34 +82,35 @@ def test_layers_the_forward_did_not_call_are_skipped_and_the_rotation_stays_per_
     assert rp.count == 9  # 3 rotations of the 3 layers called
 
 
+def _module(**children):
+    """A container of these submodules (a model's structure is all the rotation reads)."""
+    from torch import nn
+
+    m = nn.Module()
+    for name, child in children.items():
+        setattr(m, name, child)
+    return m
+
+
+def _encoder():
+    from torch import nn
+
+    return _module(layer=nn.ModuleList(nn.Linear(4, 4) for _ in range(2)))
+
+
+def _rotation(model) -> list[str]:
+    rp = replay.Replay(lambda *a: None, every=1, rank=0)
+    rp.attach(model, object(), 0, lambda *a, **k: None)  # one replica: the broadcasts have nobody to reach
+    return [name for name, _ in rp.layers]
+
+
 def test_the_rotation_goes_down_to_the_blocks_of_nested_library_models():
     """BERT-shaped: the masked-LM model holds the model, which holds the encoder, which holds the block list; the
     rotation was [bert, cls] (the whole encoder one layer)."""
     from torch import nn
 
-    class Encoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-
-    class Bert(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embeddings, self.encoder = nn.Embedding(8, 4), Encoder()
-
-    class MaskedLM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert, self.cls = Bert(), nn.Linear(4, 8)
-
-    rp = replay.Replay(lambda *a: None, every=1, rank=0)
-    rp.attach(MaskedLM(), object(), 0, lambda *a, **k: None)
-    assert [name for name, _ in rp.layers] == [
-        "bert.embeddings",
-        "bert.encoder.layer.0",
-        "bert.encoder.layer.1",
-        "cls",
-    ]
+    model = _module(bert=_module(embeddings=nn.Embedding(8, 4), encoder=_encoder()), cls=nn.Linear(4, 8))
+    assert _rotation(model) == ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "cls"]
 
 
 def test_a_child_compiled_in_place_stays_one_layer_of_the_rotation():
@@ -117,17 +118,6 @@ def test_a_child_compiled_in_place_stays_one_layer_of_the_rotation():
     rotation does not go down into it, whatever block lists it holds."""
     from torch import nn
 
-    class Encoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.encoder, self.head = Encoder(), nn.Linear(4, 8)
-            self.encoder.compile()
-
-    rp = replay.Replay(lambda *a: None, every=1, rank=0)
-    rp.attach(Model(), object(), 0, lambda *a, **k: None)
-    assert [name for name, _ in rp.layers] == ["encoder", "head"]
+    encoder = _encoder()
+    encoder.compile()
+    assert _rotation(_module(encoder=encoder, head=nn.Linear(4, 8))) == ["encoder", "head"]
