@@ -22,9 +22,9 @@ STOPPED = 3  # `trainscout run` interrupted after naming a culprit (0: the job e
 LAYERS = ["model.embed", "model.blocks.0", "model.blocks.1", "model.norm", "lm_head"]
 
 
-def _launch(nproc: int, steps: int) -> list[str]:
+def _launch(nproc: int, steps: int, *options: str) -> list[str]:
     return torchrun_cmd(
-        "--nproc-per-node", str(nproc), "--master-port", str(free_port()), str(JOB), "--steps", str(steps)
+        "--nproc-per-node", str(nproc), "--master-port", str(free_port()), str(JOB), "--steps", str(steps), *options
     )
 
 
@@ -38,6 +38,20 @@ def test_blocks_called_with_keywords_and_answering_records_are_replayed(tmp_path
         costs = json.loads((result.run_path / f"probe-cost.rank{rank}.json").read_text())["replay"]
         assert costs["layer_names"] == LAYERS and costs["left_out"] == [], costs
         assert costs["count"] >= 25, costs  # every 2 steps from step 2: 29 replays
+
+
+def test_a_sharded_optimizer_step_ends_after_the_wrapper_broadcasts_the_shards(tmp_path):
+    """ZeroRedundancyOptimizer steps a local optimizer on this rank's shard, then broadcasts every shard from its
+    owner. The local optimizer's step ended first and was taken for the step's end: replay compared the
+    replicas' parameters while only the owner of each shard had updated it, and named rank 0 (owner of the
+    embedding) a corrupted replica at the first replay."""
+    env = {"TRAINSCOUT_REPLAY_EVERY": "2", "TRAINSCOUT_REPLAY_BUDGET": "0"}
+    result = run_under_trainscout(tmp_path, "replay-zero", _launch(3, 40, "--zero"), env=env)
+    assert result.returncode == 0, result.describe()
+    assert result.findings == [], result.describe()
+    for rank in range(3):
+        costs = json.loads((result.run_path / f"probe-cost.rank{rank}.json").read_text())["replay"]
+        assert costs["layer_names"] == LAYERS and costs["count"] >= 15, costs  # every 2 steps from step 2: 19
 
 
 def test_a_block_computing_wrong_is_confirmed_by_replaying_its_call(jobs, tmp_path):

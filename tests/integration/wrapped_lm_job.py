@@ -94,12 +94,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--zero", action="store_true", help="shard the optimizer: ZeroRedundancyOptimizer(AdamW)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DistributedDataParallel(CausalLM(args.layers))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if args.zero:  # each rank steps its shard, then the wrapper broadcasts every shard from its owner
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(1, args.steps + 1):
         ids = batch(step, rank)
         loss = model(ids, labels=ids)["loss"]

@@ -72,6 +72,7 @@ class Probe:
         self.step = 0
         self.errors = 0  # internal errors so far (each sent to the agent in order)
         self._primary_optimizer: int | None = None  # id() of the optimizer whose steps count
+        self._open_optimizer_steps: list[int] = []  # until it is chosen: ids of optimizers inside their step
         self.writer = ChannelWriter(run_id, rank, local_rank, world_size, attempt)
         self.activity = Activity(self.writer.set)
         self.injector = self._load_injector()
@@ -522,12 +523,33 @@ class Probe:
             self.report_error(f"optimizer hook failed: {exc!r}")
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._primary_optimizer in (None, id(optimizer)) and os.getpid() == self.pid:
+        if os.getpid() != self.pid:
+            return
+        if self._primary_optimizer is None:
+            self._note_optimizer_step_open(id(optimizer))
+            if len(self._open_optimizer_steps) > 1:
+                return  # stepped by another optimizer (a wrapper such as ZeroRedundancyOptimizer)
+        if self._primary_optimizer in (None, id(optimizer)):
             self.timing.before_optimizer_step()
 
+    def _note_optimizer_step_open(self, key: int) -> None:
+        if key in self._open_optimizer_steps:  # its last step raised: no post hook closed it
+            del self._open_optimizer_steps[self._open_optimizer_steps.index(key) :]
+        self._open_optimizer_steps.append(key)
+
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        # Several optimizers may step per iteration; the first one seen defines the step boundary.
+        # Several optimizers may step per iteration; the first one seen to finish a step that no other
+        # optimizer's step encloses defines the step boundary. An optimizer stepped inside another's step
+        # (ZeroRedundancyOptimizer's local optimizer, which updates only this rank's shard before the wrapper
+        # broadcasts every shard) ends its step while the replicas still differ.
         if self._primary_optimizer is None:
+            if os.getpid() != self.pid:
+                return
+            open_steps = self._open_optimizer_steps
+            if id(optimizer) in open_steps:
+                del open_steps[open_steps.index(id(optimizer)) :]
+            if open_steps:
+                return
             self._primary_optimizer = id(optimizer)
         elif id(optimizer) != self._primary_optimizer:
             return
