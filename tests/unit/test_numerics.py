@@ -51,6 +51,34 @@ def test_one_step_of_noise_in_one_layers_gradient_is_a_spike_with_a_calm_loss():
     assert found[0].ratio > 100 and abs(found[0].loss_z) < 3
 
 
+def test_one_step_of_noise_is_named_whatever_its_peers_spread_that_step():
+    """With 4 ranks, one rank far out moves the median of the step's deviations to half its peers' range: the
+    step looked 3x wider than usual in about 1 step of 6, was judged on its own spread, and the noise of a
+    4-rank PowerSGD job went unnamed. A class-wide widening must last two steps before it is the scale."""
+    missed = []
+    for step in range(100, 160):
+        found = _run(
+            range(1, step + 5),
+            loss_of=lambda r, s, x: 4.0 * math.exp(-s / 400) if r == 2 and s == step else x,  # calm: its peers' mean
+            norms_of=lambda r, s, n: [x * 100 if r == 2 and s == step and i == 2 else x for i, x in enumerate(n)],
+        )
+        if [(f.rank, f.pattern, f.layer, f.step) for f in found] != [(2, "spike", "blocks.1", step)]:
+            missed.append(step)
+    assert missed == []
+
+
+def test_a_gradient_spike_with_a_loss_below_its_peers_is_not_a_hard_batch():
+    """A hard batch raises the loss with the gradient; a loss that happens to sit below its peers' does not
+    explain a gradient 100x theirs (a 4-rank drill's noisy rank, its loss z -3.8 by chance, went unnamed)."""
+    found = _run(
+        range(1, 200),
+        loss_of=lambda r, s, x: x * 0.85 if r == 1 and s == 120 else x,
+        norms_of=lambda r, s, n: [x * 100 if r == 1 and s == 120 and i == 1 else x for i, x in enumerate(n)],
+    )
+    assert [(f.rank, f.pattern, f.layer, f.step) for f in found] == [(1, "spike", "blocks.0", 120)]
+    assert found[0].loss_z < -3
+
+
 def test_a_gradient_jump_that_comes_with_a_loss_jump_is_a_hard_batch_not_a_spike():
     found = _run(
         range(1, 200),

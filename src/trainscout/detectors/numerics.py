@@ -13,8 +13,8 @@ steps, of each step's median absolute deviation across ranks (robust to one outl
 fault itself while it lasts). A rank is a suspect when it is far out in robust z AND relatively far AND:
 - persistent: in PERSIST_K of its last PERSIST_M judged steps, on the same side (loss or a layer's norm);
 - spike (gradient norms only): one step at least SPIKE_RATIO times its peers at a robust z of SPIKE_Z, while
-  its loss agrees with its peers' (|z| < LOSS_CALM_Z): the gradient went wrong, not the batch (a hard batch
-  raises the loss with the gradient).
+  its loss is not above its peers' (z < LOSS_CALM_Z): the gradient went wrong, not the batch (a hard batch
+  raises the loss with the gradient; a loss below the peers' by chance, 1 step in 40 with 4 ranks, hid noise).
 Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
 which confirms them (replay, state fingerprints) before a finding is emitted.
 
@@ -73,6 +73,7 @@ class _Stat:
 
     def __init__(self) -> None:
         self.dispersion: deque = deque(maxlen=WINDOW)
+        self.was_wide = False  # the last step's spread was more than TURBULENT x the usual
 
     def judge(self, values: Mapping[int, float]) -> dict[int, tuple[float, float, float]]:
         """rank -> (deviation from its peers' median, robust z, peers' median) for this step's values; the
@@ -81,17 +82,20 @@ class _Stat:
         centre = _middle(ordered)
         mad = _middle(sorted(abs(v - centre) for v in ordered))
         out: dict[int, tuple[float, float, float]] = {}
+        usual = _middle(sorted(self.dispersion)) if self.dispersion else 0.0
+        wide = len(self.dispersion) >= MIN_HISTORY and mad > TURBULENT * usual
         if len(self.dispersion) >= MIN_HISTORY:
-            # the usual spread, or this step's where the whole class is far out of its usual (a loss spike every
-            # replica goes through: a clean vision job's ranks spread 20x wider than usual for 15 steps, and one
-            # that happened to lead in 4 of 5 was named); this step's is robust to one outlier, so a rank that
-            # alone went wrong does not widen it that far
-            usual = _middle(sorted(self.dispersion))
-            sigma = MAD_TO_SIGMA * (mad if mad > TURBULENT * usual else usual)
+            # the usual spread, or this step's where the whole class has been far out of its usual for two steps
+            # running (a loss spike every replica goes through: a clean vision job's ranks spread 20x wider than
+            # usual for 15 steps, and one that happened to lead in 4 of 5 was named). Not on one wide step alone:
+            # with 4 ranks, one rank far out moves the median of the deviations to half its peers' range, more than
+            # 3x the usual in 18 % of steps of clean 4-rank jobs, and one step of gradient noise went unnamed
+            sigma = MAD_TO_SIGMA * (mad if wide and self.was_wide else usual)
             sigma = max(sigma, 1e-6 * abs(centre), 1e-12)
             for r, v in values.items():
                 peers = median_without(ordered, v)  # the others' median, off the one sorted copy
                 out[r] = (v - peers, (v - peers) / sigma, peers)
+        self.was_wide = wide
         self.dispersion.append(mad)
         return out
 
@@ -228,7 +232,7 @@ class NumericDetector(DetectorBase):
                 and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)
                 and self._isolated(r, k, step)
             }
-            if not spikes or abs(loss_z.get(r, math.inf)) >= LOSS_CALM_Z:
+            if not spikes or loss_z.get(r, math.inf) >= LOSS_CALM_Z:
                 if spikes:
                     self.trace.append((step, r, "spike with loss outlier", loss_z.get(r)))
                 continue
