@@ -54,6 +54,22 @@ def test_a_sharded_optimizer_step_ends_after_the_wrapper_broadcasts_the_shards(t
         assert costs["layer_names"] == LAYERS and costs["count"] >= 15, costs  # every 2 steps from step 2: 19
 
 
+def test_a_rank_computing_wrong_in_a_sharded_job_is_named_by_its_loss(jobs, tmp_path):
+    """FSDP2 has no replicas to replay or hash against, but its ranks compute the whole model on their own
+    batches: a block's output negated on rank 2 (by the job itself) went unnamed for the whole run. Its loss
+    leaves its data-parallel peers' and it is named, unconfirmed; a clean sharded run names nobody."""
+    clean = run_under_trainscout(tmp_path, "fsdp-clean", _launch(4, 80, "--fsdp"))
+    assert clean.returncode == 0 and clean.findings == [], clean.describe()
+    job = start_under_trainscout(jobs, tmp_path, "fsdp-flip", _launch(4, 400, "--fsdp", "--flip", "2:60"))
+    result = stop_once_found(job, lambda found: any(f["kind"] == "sdc" for f in found))
+    assert result.returncode in (0, STOPPED), result.describe()
+    assert [(f["kind"], f["culprit_ranks"], f["evidence"]["check"]) for f in result.findings] == [
+        ("sdc", [2], "numeric_loss")
+    ], result.describe()
+    assert 60 < result.findings[0]["step"] <= 100, result.describe()  # +13 here
+    assert result.findings[0]["evidence"]["confirmation"]["outcome"] == "unconfirmed", result.describe()
+
+
 def test_a_block_computing_wrong_is_confirmed_by_replaying_its_call(jobs, tmp_path):
     job = start_under_trainscout(
         jobs, tmp_path, "replay-lib-flip", _launch(4, 400), "--inject", "outflip:rank=1:step=30:layer=model.blocks.1"

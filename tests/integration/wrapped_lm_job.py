@@ -95,11 +95,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--zero", action="store_true", help="shard the optimizer: ZeroRedundancyOptimizer(AdamW)")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model: FSDP2 fully_shard, no DDP")
+    parser.add_argument("--flip", default="", help="RANK:STEP: the job itself negates blocks.1's output there")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DistributedDataParallel(CausalLM(args.layers))
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        model = CausalLM(args.layers)
+        for block in model.model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = DistributedDataParallel(CausalLM(args.layers))
+    now = [0]
+    if args.flip and rank == int(args.flip.split(":")[0]):  # a fault trainscout is not told of
+        start = int(args.flip.split(":")[1])
+
+        def flip(module, inputs, output):
+            return {**output, "hidden_states": -output["hidden_states"]} if now[0] >= start else output
+
+        getattr(model, "module", model).model.blocks[1].register_forward_hook(flip)
     if args.zero:  # each rank steps its shard, then the wrapper broadcasts every shard from its owner
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -107,6 +125,7 @@ def main() -> None:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(1, args.steps + 1):
+        now[0] = step
         ids = batch(step, rank)
         loss = model(ids, labels=ids)["loss"]
         opt.zero_grad(set_to_none=True)

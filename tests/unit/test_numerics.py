@@ -59,8 +59,12 @@ def test_one_step_of_noise_is_named_whatever_its_peers_spread_that_step():
     for step in range(100, 160):
         found = _run(
             range(1, step + 5),
-            loss_of=lambda r, s, x: 4.0 * math.exp(-s / 400) if r == 2 and s == step else x,  # calm: its peers' mean
-            norms_of=lambda r, s, n: [x * 100 if r == 2 and s == step and i == 2 else x for i, x in enumerate(n)],
+            loss_of=lambda r, s, x, at=step: (
+                4.0 * math.exp(-s / 400) if r == 2 and s == at else x
+            ),  # calm: its peers' mean
+            norms_of=lambda r, s, n, at=step: [
+                x * 100 if r == 2 and s == at and i == 2 else x for i, x in enumerate(n)
+            ],
         )
         if [(f.rank, f.pattern, f.layer, f.step) for f in found] != [(2, "spike", "blocks.1", step)]:
             missed.append(step)
@@ -243,3 +247,47 @@ def test_experts_no_token_of_a_ranks_batch_chose_name_nobody():
         return [x if i == 0 or rng.random() < 0.4 else 0.0 for i, x in enumerate(norms)]
 
     assert _run(range(1, 300), norms_of=routed) == []
+
+
+def _sharded_digest(step: int, losses: dict[int, float], norms: dict[int, list[float]]):
+    from trainscout.wire.messages import NodeDigest, NumericRecord, PgState, RankState
+
+    ranks = []
+    for r, loss in losses.items():
+        pg = PgState("0", "default_pg", list(losses), step, 0, [], [], 0.0, role="shard", framework="FSDP2")
+        numerics = [NumericRecord(step, loss, norms[r])]
+        ranks.append(
+            RankState(
+                r, r, len(losses), 100 + r, True, step, 0.1, 0.1, step, [pg], numerics=numerics, numeric_layers=LAYERS
+            )
+        )
+    return NodeDigest("n0", "h0", step, ranks)
+
+
+def test_a_sharded_jobs_shard_group_compares_losses_only_and_names_without_confirmation():
+    """FSDP2 on a 1-D mesh has no replicas, but its ranks compute the whole model on their own batches: an
+    output sign flip on one rank went unnamed for the whole run. Their losses are compared; their gradients,
+    read after the reduce-scatter, are different shards and are not (rank 2's differ wildly here)."""
+    from trainscout.detectors.interface import JobView
+
+    rng = random.Random(1)
+    det, found = NumericDetector(), []
+    for s in range(1, 200):
+        losses = {r: 4.0 * (1 + rng.gauss(0, 0.03)) * (2.5 if r == 1 and s >= 100 else 1) for r in WORLD}
+        norms = {r: [0.3 * (40 if r == 2 else 1)] * len(LAYERS) for r in WORLD}
+        det.observe(_sharded_digest(s, losses, norms), 0.0)
+        view = JobView(now=0.0, ranks={}, seen={}, live=set(WORLD), members={"0": list(WORLD)}, classes={})
+        found += [ask.suspect for ask in det.judge(view).asks]
+    assert [(f.rank, f.statistic, f.pattern, f.confirmable) for f in found] == [(1, "loss", "persistent", False)]
+    assert found[0].step - 100 <= 5
+
+
+def test_a_sharded_finding_is_named_at_once_and_says_why_it_is_not_confirmed():
+    from trainscout.coordinator.confirmation import without_replicas
+    from trainscout.detectors.numerics import NumericSuspect
+
+    f = without_replicas(
+        numeric_finding(NumericSuspect(1, 104, "loss", "persistent", ratio=2.5, z=60.0, steps=[101, 102, 103, 104]))
+    )
+    assert f.culprit_ranks == [1] and f.kind == "sdc" and f.evidence["confirmation"]["outcome"] == "unconfirmed"
+    assert "data-parallel peers" in f.summary and "sharded job" in f.summary

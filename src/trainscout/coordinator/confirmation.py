@@ -143,6 +143,16 @@ class Confirmations:
         return out
 
 
+def without_replicas(f: Finding) -> Finding:
+    """A suspect of a sharded job's shard group: no replica holds its state or can replay its layers, so it is
+    named at once, at the confidence of an unconfirmed finding."""
+    f.evidence["confirmation"] = {"outcome": "unconfirmed", "reason": "sharded: no replica to confirm against"}
+    f.confidence = CONFIDENCE["unconfirmed"]
+    f.summary = f.summary.replace("than its replicas", "than its data-parallel peers")
+    f.summary += "; not confirmed: in a sharded job no replica holds its state or can replay its layers"
+    return f
+
+
 def numeric_finding(s: NumericSuspect) -> Finding:
     """The statistical finding a suspect becomes (completed by a confirmation)."""
     if s.statistic == "loss":

@@ -18,6 +18,11 @@ fault itself while it lasts). A rank is a suspect when it is far out in robust z
 Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
 which confirms them (replay, state fingerprints) before a finding is emitted.
 
+Sharded data parallelism (FSDP2 on a 1-D mesh, ZeRO-3) has no replicas, but the members of its shard group
+still compute the whole model on their own batches: their local losses are compared the same way (their
+gradients, read after the reduce-scatter, are shards and are not). Such a suspect has nothing to be
+confirmed against (`NumericSuspect.confirmable`).
+
 Pure logic: no torch, no I/O; inputs are plain numbers.
 """
 
@@ -66,6 +71,7 @@ class NumericSuspect:
     steps: list[int] = field(default_factory=list)  # the steps flagged
     layers: dict[str, float] = field(default_factory=dict)  # every deviating layer -> its ratio, at `step`
     loss_z: float = 0.0  # the rank's loss z at `step`
+    confirmable: bool = True  # False in a sharded class: no replica holds the rank's state or replays its layers
 
 
 class _Stat:
@@ -112,19 +118,29 @@ class NumericDetector(DetectorBase):
         self._reported: set[tuple[int, str, str]] = set()
         self._last_spike: dict[int, int] = {}  # rank -> step of its last spike suspect
         self._named_ranks: set[int] = set()  # ranks already suspected of a persistent deviation
+        self._sharded: set[str] = set()  # classes that are a sharded job's shard group (no replicas)
         self.steps_judged = 0
         self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
 
     def observe(self, digest: NodeDigest, now: float) -> None:
         for st in digest.ranks:
-            if st.numerics and st.replica_group:
-                self.add(
-                    st.rank, st.replica_group, st.numeric_layers, [(n.step, n.loss, n.norms) for n in st.numerics], now
-                )
+            if not st.numerics:
+                continue
+            records = [(n.step, n.loss, n.norms) for n in st.numerics]
+            if st.replica_group:
+                self.add(st.rank, st.replica_group, st.numeric_layers, records, now)
+                continue
+            shard = next((pg.name for pg in st.pgs if pg.role == "shard"), None)
+            if shard is not None:  # the loss only: its gradients are shards after the reduce-scatter
+                self._sharded.add(shard)
+                self.add(st.rank, shard, [], [(step, loss, []) for step, loss, _ in records], now)
 
     def judge(self, view: JobView) -> Judgement:
         """A statistical outlier is a suspect: it is named only once replay and the state check confirmed it."""
-        return Judgement(asks=[Confirm(s) for s in self.update(view.waited_until, view.classes)])
+        classes = dict(view.classes)
+        for name in self._sharded:
+            classes[name] = [r for r in view.members.get(name, ()) if r in view.live]
+        return Judgement(asks=[Confirm(s) for s in self.update(view.waited_until, classes)])
 
     def add(
         self,
@@ -256,6 +272,7 @@ class NumericDetector(DetectorBase):
             )
         out = self._one_per_rank(out)
         for s in out:
+            s.confirmable = group not in self._sharded
             self.trace.append((s.step, s.rank, s.statistic, s.pattern, s.layer, round(s.ratio, 3), round(s.z, 1)))
         return out
 
