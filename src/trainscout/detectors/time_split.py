@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from trainscout.consensus.leave_one_out import max_without, median_without
-from trainscout.detectors.periodicity import LOOKBACK, intermittent_period
+from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, intermittent_period
 from trainscout.findings import STRAGGLER, Finding
 
 SPREAD_STEPS = 64
@@ -60,6 +60,11 @@ DUTY_PART_SHARE = 0.5
 # at steps 23, 69, 92, 115 (0.3 % of the job's time) by itself; 10 % of a step every 6th step costs 1.7 %.
 SMALL_INTERMITTENT_MIN_COST = 0.005
 SPIKE_LOG = 256  # each rank's spikes kept for its peers' base rate (periodicity.peers_rate)
+# Blocked time is steady near zero on healthy DDP ranks, but in an FSDP2 job on a busy CPU machine (11 collectives
+# a step, gloo's threads competing for the cores) every rank's swings 0-30 ms from step to step: a healthy rank
+# whose 6 steps happened to sit at 9-14 ms was named (2 of 5 clean 4-rank runs, one as "every 8 steps").
+NOISE_STEPS = 64
+NOISE_QUANTILE = 0.9  # against a level (a rank high in nearly every step of its window)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class Part:
     # the duty rule (0: off): a rank's mean over this many steps, `duty_rel` of a step over its peers' means
     duty_window: int = 0
     duty_rel: float = 0.0
+    # a level, or a single step, that its peers' own steps commonly reach (their NOISE_QUANTILE over their
+    # last NOISE_STEPS steps) is not an outlier, however the rank's few steps compare with its peers' medians
+    noise_floor: bool = False
 
 
 # Its level is the second-smallest of its last 6 steps, not their median: on a machine with more ranks than
@@ -109,6 +117,7 @@ BLOCKED = Part(
     what="off the CPU outside collectives (sleeping, blocked in I/O, on a lock or the GIL)",
     duty_window=32,
     duty_rel=0.05,
+    noise_floor=True,
 )
 # Several ranks on one GPU compete for it: which of them waits on its host for the GPU (a synchronising copy,
 # an allocation) is the GPU's scheduling, not a fault, and on the one-GPU machine with 4 ranks healthy ranks took
@@ -231,6 +240,7 @@ class PartWatch:
         self._duty: dict[int, deque] = {}  # (value, wait) per step over the duty window
         self._duty_spread: deque = deque(maxlen=SPREAD_STEPS)
         self._duty_run: dict[int, int] = {}
+        self._recent: dict[int, deque] = {}  # each rank's last NOISE_STEPS values (noise_floor parts)
         self.trace: deque = deque(maxlen=64)  # recent evaluations that flagged someone
         self.flagged: set[int] = set()  # ranks flagged at the last step (a slow transport is then not suspected)
 
@@ -250,6 +260,8 @@ class PartWatch:
             self._waits.setdefault(r, deque(maxlen=p.window)).append(recs[r].wait_s)
             if p.duty_window:
                 self._duty.setdefault(r, deque(maxlen=p.duty_window)).append((v, recs[r].wait_s))
+            if p.noise_floor:
+                self._recent.setdefault(r, deque(maxlen=NOISE_STEPS)).append(v)
         # a usual step's wall time: the spike's own step is as long for every rank (they waited for it)
         out = self._spike(step, values, _median(self._walls))
         if p.duty_window:
@@ -276,6 +288,8 @@ class PartWatch:
                 continue
             if v - max_without(ordered, windowed[r]) < excess / 2:
                 continue  # not clear of the rest: two ranks slow together share a cause
+            if v <= self._peers_floor(r):
+                continue  # its peers' own steps commonly reach this level
             if p.arrival:
                 if waits is None:
                     waits = {q: _median(self._waits[q]) for q in windowed}
@@ -293,6 +307,21 @@ class PartWatch:
             if f is not None:
                 out.append(f)
         return out
+
+    def _peers_floor(self, rank: int) -> float:
+        """What its peers' single steps commonly reach (0 where the part asks for no floor, or too few steps)."""
+        if not self.part.noise_floor:
+            return 0.0
+        pooled = sorted(v for q, d in self._recent.items() if q != rank for v in d)
+        if len(pooled) < NOISE_STEPS:
+            return 0.0
+        return pooled[min(len(pooled) - 1, int(NOISE_QUANTILE * len(pooled)))]
+
+    def _peers_reaching(self, rank: int, value: float) -> float:
+        """The share of its peers' recent steps at `value` or more: the rate a spike that size comes at by chance
+        (the spike logs hold only spikes clear of every other rank, which a busy machine's noise seldom is)."""
+        pooled = [v for q, d in self._recent.items() if q != rank for v in d]
+        return sum(1 for v in pooled if v >= value) / len(pooled) if pooled else 0.0
 
     def _persistent(self, rank: int, hist: deque, level: float) -> Finding | None:
         p = self.part
@@ -406,16 +435,20 @@ class PartWatch:
                 self._spike_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
                 continue
-            found, need = None, p.intermittent_min
+            found, need, log, exact = None, p.intermittent_min, self._spike_log, False
             if big:
-                found = intermittent_period(r, self._spike_log, need, self._first_step)
+                found = intermittent_period(r, log, need, self._first_step)
             if found is None and p.small_intermittent_min:
-                need = p.small_intermittent_min
-                found = intermittent_period(r, self._small_log, need, self._first_step, exact=True)
+                need, log, exact = p.small_intermittent_min, self._small_log, True
+                found = intermittent_period(r, log, need, self._first_step, exact=True)
                 if found is not None and excess < SMALL_INTERMITTENT_MIN_COST * found.period * wall:
                     found = None  # too small and too rare to cost the job anything: not a fault worth naming
             if found is None:
                 continue
+            if p.noise_floor and not beyond_chance(
+                found, self._peers_reaching(r, v), min(len(log[r]), LOOKBACK), exact
+            ):
+                continue  # its peers' own steps reach this often enough to line up by chance
             self._reported.add((r, "intermittent"))
             recent = found.hits[-need:]
             out.append(
