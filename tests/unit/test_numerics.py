@@ -59,9 +59,6 @@ def test_one_step_of_noise_is_named_whatever_its_peers_spread_that_step():
     for step in range(100, 160):
         found = _run(
             range(1, step + 5),
-            loss_of=lambda r, s, x, at=step: (
-                4.0 * math.exp(-s / 400) if r == 2 and s == at else x
-            ),  # calm: its peers' mean
             norms_of=lambda r, s, n, at=step: [
                 x * 100 if r == 2 and s == at and i == 2 else x for i, x in enumerate(n)
             ],
@@ -69,6 +66,18 @@ def test_one_step_of_noise_is_named_whatever_its_peers_spread_that_step():
         if [(f.rank, f.pattern, f.layer, f.step) for f in found] != [(2, "spike", "blocks.1", step)]:
             missed.append(step)
     assert missed == []
+
+
+def test_one_layers_gradient_spike_with_a_loss_up_by_chance_is_not_a_hard_batch():
+    """A 4-rank CUDA job's 100x noise in one layer came with its loss z +4.1 above its peers' by chance and went
+    unnamed. A hard batch raises the gradients of every layer the loss flows back through, not one alone."""
+    found = _run(
+        range(1, 200),
+        loss_of=lambda r, s, x: x * 1.15 if r == 1 and s == 120 else x,
+        norms_of=lambda r, s, n: [x * 100 if r == 1 and s == 120 and i == 1 else x for i, x in enumerate(n)],
+    )
+    assert [(f.rank, f.pattern, f.layer, f.step) for f in found] == [(1, "spike", "blocks.0", 120)]
+    assert found[0].loss_z > 3
 
 
 def test_a_gradient_spike_with_a_loss_below_its_peers_is_not_a_hard_batch():

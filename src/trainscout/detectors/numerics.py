@@ -13,8 +13,9 @@ steps, of each step's median absolute deviation across ranks (robust to one outl
 fault itself while it lasts). A rank is a suspect when it is far out in robust z AND relatively far AND:
 - persistent: in PERSIST_K of its last PERSIST_M judged steps, on the same side (loss or a layer's norm);
 - spike (gradient norms only): one step at least SPIKE_RATIO times its peers at a robust z of SPIKE_Z, while
-  its loss is not above its peers' (z < LOSS_CALM_Z): the gradient went wrong, not the batch (a hard batch
-  raises the loss with the gradient; a loss below the peers' by chance, 1 step in 40 with 4 ranks, hid noise).
+  it is not a hard batch: the gradient went wrong, not the batch. A hard batch raises the loss (z >= LOSS_CALM_Z)
+  and with it the gradients of the layers the loss flows back through (their median ratio >= BROAD_RATIO); a
+  loss off its peers' by chance (1 step in 20 with 4 ranks) with one layer alone far out hid noise.
 Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
 which confirms them (replay, state fingerprints) before a finding is emitted.
 
@@ -53,6 +54,7 @@ NORM_PERSIST_RATIO = 1.5  # ... a persistent norm outlier >= 1.5x (or <= 1/1.5x)
 # embeddings in one 1-hour (25,000-step) CPU run; injected gradient noise gave 65-137x (z >= 80).
 SPIKE_Z, SPIKE_RATIO = 40.0, 32.0
 LOSS_CALM_Z = 3.0
+BROAD_RATIO = 1.5  # a hard batch: the median of the rank's layer-norm ratios over its peers at least this
 TURBULENT = 3.0  # a step whose spread across ranks is this many times the usual is judged on its own spread
 SPIKE_GAP = 50  # at most one spike suspect per rank in this many steps (a fault that repeats is not a flood)
 WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
@@ -216,9 +218,11 @@ class NumericDetector(DetectorBase):
                     ratio = entry["loss"][r] / peers if peers else math.inf
                     out.append(NumericSuspect(r, step, "loss", "persistent", ratio=ratio, z=z, steps=found, loss_z=z))
         norm_flags: dict[int, dict[str, tuple[float, float]]] = {}  # rank -> layer -> (ratio, z)
+        log_ratios: dict[int, list[float]] = {}  # rank -> every layer's log norm over its peers' median
         for layer, values in self._layer_values(group, entry).items():
             judged = self._stat(group, layer).judge(values)
             for r, (dev, z, _) in judged.items():
+                log_ratios.setdefault(r, []).append(dev)
                 ratio = math.exp(dev)
                 if abs(z) >= PERSIST_Z and abs(dev) >= math.log(NORM_PERSIST_RATIO):
                     norm_flags.setdefault(r, {})[layer] = (ratio, z)
@@ -248,7 +252,7 @@ class NumericDetector(DetectorBase):
                 and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)
                 and self._isolated(r, k, step)
             }
-            if not spikes or loss_z.get(r, math.inf) >= LOSS_CALM_Z:
+            if not spikes or self._hard_batch(loss_z.get(r, math.inf), log_ratios.get(r, [])):
                 if spikes:
                     self.trace.append((step, r, "spike with loss outlier", loss_z.get(r)))
                 continue
@@ -275,6 +279,18 @@ class NumericDetector(DetectorBase):
             s.confirmable = group not in self._sharded
             self.trace.append((s.step, s.rank, s.statistic, s.pattern, s.layer, round(s.ratio, 3), round(s.z, 1)))
         return out
+
+    @staticmethod
+    def _hard_batch(loss_z: float, log_ratios: list[float]) -> bool:
+        """A batch harder than its peers' raises the loss, and with it the gradient of every layer the loss
+        flows back through: the loss above its peers' AND the rank's layers' gradients broadly up (their
+        median). A gradient gone wrong in one layer leaves the others at their peers' level, whatever the loss
+        did by chance (a 4-rank CUDA job's noise, 100x in one layer, came with a loss z +4.1 and went unnamed)."""
+        if loss_z < LOSS_CALM_Z:
+            return False
+        if not log_ratios:
+            return True
+        return _middle(sorted(log_ratios)) >= math.log(BROAD_RATIO)
 
     def _one_per_rank(self, found: list[NumericSuspect]) -> list[NumericSuspect]:
         """One persistent suspect per rank, once: a forward gone wrong moves the loss and most layers' norms
