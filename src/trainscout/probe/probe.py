@@ -97,7 +97,7 @@ class Probe:
         self.timing = StepTiming(
             self.publisher.append_locked,
             on_device=self.publisher.set_device,
-            other_thread_s=lambda: self.publisher.busy_s if self.publisher is not None else 0.0,
+            other_thread_s=lambda: self.publisher.busy_now() if self.publisher is not None else 0.0,
         )
         # the tap reports to the step's timing (collective time is waiting, not compute)
         self.tap.on_wait = self.timing.add_wait

@@ -72,6 +72,7 @@ class Publisher(threading.Thread):
         # all of this thread's work, cumulative: the training thread may wait for the GIL meanwhile, which is
         # not the rank's own blocking (a dump every 10 s, 5-8 ms, would read as a periodic block of the rank)
         self.busy_s = 0.0
+        self._tick_began: float | None = None  # perf_counter() at the start of the tick under way
         self._pg_index: dict[str, int] = {}
         self._last_record_id, self._fresh = -1, 0
         self._pg_names: dict[str, str] = {}  # the recorder's group id (per process) -> group name
@@ -96,9 +97,17 @@ class Publisher(threading.Thread):
     def run(self) -> None:
         w = self.writer
         while not self.stop_event.wait(self.tick_s):
-            t0 = time.perf_counter()
+            t0 = self._tick_began = time.perf_counter()
             self._tick(w)
+            self._tick_began = None
             self.busy_s += time.perf_counter() - t0
+
+    def busy_now(self) -> float:
+        """busy_s with the tick under way so far: a step that ends while a dump holds the GIL is the one the
+        dump blocked (counted only once the tick ended, its time went to the next step, where nothing was
+        blocked, and a dump every 18 steps read as a rank blocked 5 ms every 18 steps)."""
+        began = self._tick_began
+        return self.busy_s + (time.perf_counter() - began if began is not None else 0.0)
 
     def _tick(self, w) -> None:
         w.set("heartbeat_ns", time.monotonic_ns())

@@ -287,7 +287,8 @@ class StepTiming:
             now = self.other_thread_s()
         except Exception:
             return 0
-        last, self._other_last = self._other_last, now
+        # monotonic: a read between the end of a tick and its addition to the total reads low for an instant
+        last, self._other_last = self._other_last, max(now, self._other_last)
         return max(0, int((now - last) * 1e6))
 
     def _emit(self, fields: tuple, gpu_us: int, gpu_wait_us: int) -> None:
