@@ -205,12 +205,13 @@ def test_a_rank_blocked_every_sixth_step_among_spiky_peers_is_still_named(seed):
     assert found[0].step - 100 <= 6 * 6  # a few more occurrences than among quiet peers
 
 
-def test_a_small_block_every_sixth_step_is_named_at_its_fourth_exactly_regular_occurrence():
+def test_a_small_block_every_sixth_step_is_named_at_its_fifth_exactly_regular_occurrence():
     """10 % of a step (4 ms) every 6th step: under the big-spike size, so it must be exactly regular, and
-    named at its 4th occurrence where its peers spike rarely (a progression of their rate's chance: no)."""
+    named at its 5th occurrence where its peers spike rarely (small spikes are what healthy ranks show on a
+    busy machine: their progressions must be rarer by chance than a big spike's)."""
     found = _feed(range(1, 200), lambda r, s: 0.004 if r == 1 and s >= 100 and (s - 100) % 6 == 0 else 0.0)
     assert [(f.culprit_ranks, f.evidence["type"], f.evidence.get("period")) for f in found] == [([1], "blocked", 6)]
-    assert found[0].evidence["intermittent"] is True and found[0].step == 118
+    assert found[0].evidence["intermittent"] is True and found[0].step == 124
 
 
 def test_a_small_block_too_rare_to_cost_the_job_anything_is_not_named():

@@ -79,6 +79,11 @@ def _progression(spikes: list[int], anchor: int, period: int, min_hits: int, exa
 # had at most CHANCE of making one as full among the progressions the rank's own recent spikes offer.
 RATE_WINDOW = 200
 CHANCE = 1e-4
+# Small spikes (an exact progression) are what healthy ranks show on a busy machine, in bursts the binomial
+# model underrates: at 1e-4, chance progressions of 4 small spikes named a healthy rank in 2 of ~20 clean CPU
+# runs of new job shapes (chances 1e-5 and 4e-6 there); a real 10 % block every 6th step reached 5e-6 at its
+# 5th occurrence and 0 at its 6th.
+SMALL_CHANCE = 3e-6
 
 
 def peers_rate(
@@ -118,7 +123,8 @@ def intermittent_period(
 def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False) -> bool:
     """Whether spikes at `rate` per step, at random, could hardly have made `found`: the binomial chance of
     its hits on its slots (a slot spans the progression's slack), times the progressions `spikes_seen` spikes
-    offer (an anchor and a period each), at most CHANCE. Where healthy ranks spike now and then (a real job's
+    offer (an anchor and a period each), at most CHANCE (SMALL_CHANCE for an exact progression of small
+    spikes). Where healthy ranks spike now and then (a real job's
     first step at each new sequence length on CUDA: ~80 ms on the driver, every rank in turn, ~10 times in 60
     steps), three spikes fall on some progression by chance; a rank slow every Nth step is named once its
     hits are that unlikely (among quiet peers: at once)."""
@@ -128,4 +134,4 @@ def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = Fa
         math.comb(found.slots, k) * slot**k * (1 - slot) ** (found.slots - k)
         for k in range(len(found.hits), found.slots + 1)
     )
-    return chance * max(1, math.comb(spikes_seen, 2)) <= CHANCE
+    return chance * max(1, math.comb(spikes_seen, 2)) <= (SMALL_CHANCE if exact else CHANCE)
