@@ -78,6 +78,8 @@ def test_one_layers_gradient_spike_with_a_loss_up_by_chance_is_not_a_hard_batch(
     )
     assert [(f.rank, f.pattern, f.layer, f.step) for f in found] == [(1, "spike", "blocks.0", 120)]
     assert found[0].loss_z > 3
+    summary = numeric_finding(found[0]).summary
+    assert "its other layers' gradients agreed with theirs" in summary and "its loss agreed" not in summary
 
 
 def test_a_gradient_spike_with_a_loss_below_its_peers_is_not_a_hard_batch():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from trainscout.detectors.numerics import NumericSuspect
+from trainscout.detectors.numerics import LOSS_CALM_Z, NumericSuspect
 from trainscout.detectors.replay import SKIPPED
 from trainscout.findings import SDC, Finding
 
@@ -161,9 +161,14 @@ def numeric_finding(s: NumericSuspect) -> Finding:
             f"{len(s.steps)} of the last steps"
         )
     elif s.pattern == "spike":
+        calm = (
+            "its loss agreed with theirs"
+            if s.loss_z < LOSS_CALM_Z
+            else f"its other layers' gradients agreed with theirs (its loss z {s.loss_z:+.1f}: not a hard batch)"
+        )
         what = (
             f"its local gradient of {s.layer} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
-            f"{s.step}, before the all-reduce, while its loss agreed with theirs"
+            f"{s.step}, before the all-reduce, while {calm}"
         )
     else:
         what = (
