@@ -18,19 +18,35 @@ def _record(step, wall, cpu, wait, runq, data=0.0):
     return StepRecord(step=step, wall_s=wall, cpu_s=cpu, data_s=data, ckpt_s=0.0, wait_s=wait, runq_s=runq)
 
 
-def _feed(steps, blocked, starved=lambda r, s: 0.0, seed=0, world=WORLD, runq_noise=0.03, spikes=0.02):
+def _feed(
+    steps,
+    blocked,
+    starved=lambda r, s: 0.0,
+    seed=0,
+    world=WORLD,
+    runq_noise=0.03,
+    spikes=0.02,
+    *,
+    wall_s=0.040,
+    cpu_s=0.012,
+    cpu_jitter=0.1,
+    spike_range=(0.005, 0.03),
+    off_base=-0.0006,
+    own=lambda r, s: None,
+):
     """A 4-rank job on a busy machine: 40 ms steps, compute ~12 ms, run-queue delays of 0-30 ms that rotate
     between ranks, the occasional healthy off-CPU spike (GC, a GIL held by another thread); `blocked` and
-    `starved` add a rank's own extra."""
+    `starved` add a rank's own extra, `own` (where not None) replaces a rank's off-CPU time."""
     rng = random.Random(seed)
     det, found = StragglerDetector(), []
     for s in steps:
         extra = {r: blocked(r, s) + starved(r, s) for r in world}
-        wall = 0.040 + max(extra.values())
+        wall = wall_s + max(extra.values())
         for r in world:
-            cpu = 0.012 * (1 + rng.uniform(-0.1, 0.1))
+            cpu = cpu_s * (1 + rng.uniform(-cpu_jitter, cpu_jitter))
             runq = rng.uniform(0, runq_noise) + starved(r, s)
-            off = -0.0006 + blocked(r, s) + (rng.uniform(0.005, 0.03) if rng.random() < spikes else 0.0)
+            off = off_base + blocked(r, s) + (rng.uniform(*spike_range) if rng.random() < spikes else 0.0)
+            off = off if own(r, s) is None else own(r, s)
             wait = max(0.0, wall - cpu - runq - off)
             det.add(r, [_record(s, wall, cpu, wait, runq)], 0.0)
         found += det.update(0.0, set(world))
@@ -227,19 +243,20 @@ def _feed_sharded(steps, blocked, seed=0, world=WORLD, own=lambda r, s: None):
     """An FSDP2 job on a busy CPU machine: 200 ms steps, most of them in its many collectives, and every rank
     off the CPU outside them 0-15 ms in half its steps (gloo's threads and the ranks compete for the cores),
     none of them steady; `blocked` adds a rank's own extra, `own` (where not None) replaces its noise."""
-    rng = random.Random(seed)
-    det, found = StragglerDetector(), []
-    for s in steps:
-        extra = {r: blocked(r, s) for r in world}
-        wall = 0.200 + max(extra.values())
-        for r in world:
-            cpu = 0.035 * (1 + rng.uniform(-0.05, 0.05))
-            runq = rng.uniform(0, 0.01)
-            off = (rng.uniform(0.0, 0.015) if rng.random() < 0.5 else 0.0) + extra[r]
-            off = off if own(r, s) is None else own(r, s)
-            det.add(r, [_record(s, wall, cpu, max(0.0, wall - cpu - runq - off), runq)], 0.0)
-        found += det.update(0.0, set(world))
-    return found
+    return _feed(
+        steps,
+        blocked,
+        seed=seed,
+        world=world,
+        runq_noise=0.01,
+        spikes=0.5,
+        wall_s=0.200,
+        cpu_s=0.035,
+        cpu_jitter=0.05,
+        spike_range=(0.0, 0.015),
+        off_base=0.0,
+        own=own,
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
