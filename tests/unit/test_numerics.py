@@ -298,7 +298,11 @@ def test_a_sharded_finding_is_named_at_once_and_says_why_it_is_not_confirmed():
     from trainscout.detectors.numerics import NumericSuspect
 
     f = without_replicas(
-        numeric_finding(NumericSuspect(1, 104, "loss", "persistent", ratio=2.5, z=60.0, steps=[101, 102, 103, 104]))
+        numeric_finding(
+            NumericSuspect(
+                1, 104, "loss", "persistent", ratio=2.5, z=60.0, steps=[101, 102, 103, 104], confirmable=False
+            )
+        )
     )
     assert f.culprit_ranks == [1] and f.kind == "sdc" and f.evidence["confirmation"]["outcome"] == "unconfirmed"
     assert "data-parallel peers" in f.summary and "sharded job" in f.summary

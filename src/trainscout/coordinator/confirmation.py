@@ -148,13 +148,13 @@ def without_replicas(f: Finding) -> Finding:
     named at once, at the confidence of an unconfirmed finding."""
     f.evidence["confirmation"] = {"outcome": "unconfirmed", "reason": "sharded: no replica to confirm against"}
     f.confidence = CONFIDENCE["unconfirmed"]
-    f.summary = f.summary.replace("than its replicas", "than its data-parallel peers")
     f.summary += "; not confirmed: in a sharded job no replica holds its state or can replay its layers"
     return f
 
 
 def numeric_finding(s: NumericSuspect) -> Finding:
     """The statistical finding a suspect becomes (completed by a confirmation)."""
+    peers = "replicas" if s.confirmable else "data-parallel peers"  # a sharded job's shard group has no replica
     if s.statistic == "loss":
         what = (
             f"its local loss is {s.ratio:.2f}x its peers' median (robust z {s.z:+.1f}) in "
@@ -181,7 +181,7 @@ def numeric_finding(s: NumericSuspect) -> Finding:
         step=s.step,
         pg=f"numeric:{s.statistic}:{s.layer}",
         collective_seq=s.step if s.pattern == "spike" else None,
-        summary=f"rank {s.rank} computes different numbers than its replicas: {what}",
+        summary=f"rank {s.rank} computes different numbers than its {peers}: {what}",
         evidence={
             "check": f"numeric_{s.statistic}",
             "statistic": s.statistic,

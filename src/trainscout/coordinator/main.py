@@ -414,8 +414,6 @@ class Coordinator:
             self.confirmations.replay_layers = next(
                 (list(o.state.replay_layers) for o in self.ranks.values() if o.state.replay_layers), []
             )
-            if s.confirmable:
-                self.confirmations.add(s, confirmation.numeric_finding(s))
             self.events.write(
                 "numeric_suspect",
                 rank=s.rank,
@@ -426,7 +424,9 @@ class Coordinator:
                 ratio=round(s.ratio, 4),
                 z=round(s.z, 2),
             )
-            if not s.confirmable:
+            if s.confirmable:
+                self.confirmations.add(s, confirmation.numeric_finding(s))
+            else:
                 self._emit_confirmed(confirmation.without_replicas(confirmation.numeric_finding(s)), now)
         elif isinstance(ask, LinkProbe):
             self._schedule_link_probe(now, ask)

@@ -90,9 +90,10 @@ class _Stat:
         centre = _middle(ordered)
         mad = _middle(sorted(abs(v - centre) for v in ordered))
         out: dict[int, tuple[float, float, float]] = {}
-        usual = _middle(sorted(self.dispersion)) if self.dispersion else 0.0
-        wide = len(self.dispersion) >= MIN_HISTORY and mad > TURBULENT * usual
-        if len(self.dispersion) >= MIN_HISTORY:
+        judged = len(self.dispersion) >= MIN_HISTORY
+        usual = _middle(sorted(self.dispersion)) if judged else 0.0
+        wide = judged and mad > TURBULENT * usual
+        if judged:
             # the usual spread, or this step's where the whole class has been far out of its usual for two steps
             # running (a loss spike every replica goes through: a clean vision job's ranks spread 20x wider than
             # usual for 15 steps, and one that happened to lead in 4 of 5 was named). Not on one wide step alone:

@@ -308,11 +308,15 @@ class PartWatch:
                 out.append(f)
         return out
 
+    def _peers_recent(self, rank: int) -> list[float]:
+        """Its peers' values over their last NOISE_STEPS steps, pooled (noise_floor parts only)."""
+        return [v for q, d in self._recent.items() if q != rank for v in d]
+
     def _peers_floor(self, rank: int) -> float:
         """What its peers' single steps commonly reach (0 where the part asks for no floor, or too few steps)."""
         if not self.part.noise_floor:
             return 0.0
-        pooled = sorted(v for q, d in self._recent.items() if q != rank for v in d)
+        pooled = sorted(self._peers_recent(rank))
         if len(pooled) < NOISE_STEPS:
             return 0.0
         return pooled[min(len(pooled) - 1, int(NOISE_QUANTILE * len(pooled)))]
@@ -320,7 +324,7 @@ class PartWatch:
     def _peers_reaching(self, rank: int, value: float) -> float:
         """The share of its peers' recent steps at `value` or more: the rate a spike that size comes at by chance
         (the spike logs hold only spikes clear of every other rank, which a busy machine's noise seldom is)."""
-        pooled = [v for q, d in self._recent.items() if q != rank for v in d]
+        pooled = self._peers_recent(rank)
         return sum(1 for v in pooled if v >= value) / len(pooled) if pooled else 0.0
 
     def _persistent(self, rank: int, hist: deque, level: float) -> Finding | None:

@@ -526,34 +526,31 @@ class Probe:
         if os.getpid() != self.pid:
             return
         if self._primary_optimizer is None:
-            self._note_optimizer_step_open(id(optimizer))
+            self._close_optimizer_step(id(optimizer))  # still open: its last step raised before its post hook
+            self._open_optimizer_steps.append(id(optimizer))
             if len(self._open_optimizer_steps) > 1:
                 return  # stepped by another optimizer (a wrapper such as ZeroRedundancyOptimizer)
         if self._primary_optimizer in (None, id(optimizer)):
             self.timing.before_optimizer_step()
 
-    def _note_optimizer_step_open(self, key: int) -> None:
-        if key in self._open_optimizer_steps:  # its last step raised: no post hook closed it
+    def _close_optimizer_step(self, key: int) -> None:
+        """Its step ended: it and any step opened inside it leave the open ones."""
+        if key in self._open_optimizer_steps:
             del self._open_optimizer_steps[self._open_optimizer_steps.index(key) :]
-        self._open_optimizer_steps.append(key)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         # Several optimizers may step per iteration; the first one seen to finish a step that no other
         # optimizer's step encloses defines the step boundary. An optimizer stepped inside another's step
         # (ZeroRedundancyOptimizer's local optimizer, which updates only this rank's shard before the wrapper
         # broadcasts every shard) ends its step while the replicas still differ.
+        if os.getpid() != self.pid:
+            return
         if self._primary_optimizer is None:
-            if os.getpid() != self.pid:
-                return
-            open_steps = self._open_optimizer_steps
-            if id(optimizer) in open_steps:
-                del open_steps[open_steps.index(id(optimizer)) :]
-            if open_steps:
+            self._close_optimizer_step(id(optimizer))
+            if self._open_optimizer_steps:
                 return
             self._primary_optimizer = id(optimizer)
         elif id(optimizer) != self._primary_optimizer:
-            return
-        if os.getpid() != self.pid:
             return
         self.step += 1
         self.writer.set("step", self.step)
