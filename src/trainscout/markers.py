@@ -24,3 +24,6 @@ BUSY_WHAT = {
     BUSY_CHECKPOINT: "writing a checkpoint",
     BUSY_COMPILE: "compiling (torch.compile)",
 }
+# Evidence layer names (probe/grad_sync.py) of the k-th gradient reduction of a step, as it entered the collective:
+# the one gradient statistic a sharded class's members can compare (their parameters' gradients are shards)
+GRAD_SYNC_LAYER = "grad-sync."

@@ -58,7 +58,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, output_hidden_states=False):
         t = input_ids.shape[1]
-        mask = torch.full((t, t), float("-inf")).triu(1)  # additive causal mask, as many models pass it
+        # an additive causal mask, as many models pass it
+        mask = torch.full((t, t), float("-inf"), device=input_ids.device).triu(1)
         hidden = self.embed(input_ids)
         rotary = (self.cos[:t], self.sin[:t])
         seen = []
@@ -90,6 +91,34 @@ def batch(step: int, rank: int, size: int = 8) -> torch.Tensor:
     return motif.repeat(1, SEQ // period + 1)[:, :SEQ]
 
 
+def add_sync_noise(model, on_this_rank: bool, now_due) -> None:
+    """Where a gradient enters its reduction, outside trainscout: 1000x its norm of noise, once, on one rank."""
+
+    def noisy(t: torch.Tensor) -> None:
+        g = torch.Generator().manual_seed(7)
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
+        t.add_(noise * (1000 * t.norm() / noise.norm()))
+
+    if isinstance(model, DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):
+            if on_this_rank and now_due():
+                noisy(bucket.buffer())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, hook)
+    elif on_this_rank:
+        real = dist.reduce_scatter_single
+
+        def reduce_scatter_single(output, input, *args, **kwargs):
+            if now_due():
+                noisy(input)
+            return real(output, input, *args, **kwargs)
+
+        dist.reduce_scatter_single = reduce_scatter_single
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -97,10 +126,19 @@ def main() -> None:
     parser.add_argument("--zero", action="store_true", help="shard the optimizer: ZeroRedundancyOptimizer(AdamW)")
     parser.add_argument("--fsdp", action="store_true", help="shard the model: FSDP2 fully_shard, no DDP")
     parser.add_argument("--flip", default="", help="RANK:STEP: the job itself negates blocks.1's output there")
+    parser.add_argument("--cuda", action="store_true", help="every rank on cuda:0 (gloo: ranks may share the GPU)")
+    parser.add_argument("--hook", action="store_true", help="DDP: a Python communication hook (the plain all-reduce)")
+    parser.add_argument(
+        "--sync-noise",
+        default="",
+        help="RANK:STEP: the job itself adds noise to the gradient on its way into the reduction there (DDP: in its "
+        "communication hook; FSDP2: in a wrapper of the reduce-scatter)",
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
+    device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -109,8 +147,11 @@ def main() -> None:
             fully_shard(block)
         fully_shard(model)
     else:
-        model = DistributedDataParallel(CausalLM(args.layers))
+        model = DistributedDataParallel(CausalLM(args.layers).to(device))
     now = [0]
+    noise_rank, noise_step = (int(v) for v in args.sync_noise.split(":")) if args.sync_noise else (-1, -1)
+    if args.hook or args.sync_noise:
+        add_sync_noise(model, rank == noise_rank, lambda: now[0] == noise_step)
     if args.flip and rank == int(args.flip.split(":")[0]):  # a fault trainscout is not told of
         start = int(args.flip.split(":")[1])
 
@@ -126,7 +167,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(1, args.steps + 1):
         now[0] = step
-        ids = batch(step, rank)
+        ids = batch(step, rank).to(device)
         loss = model(ids, labels=ids)["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -260,7 +260,7 @@ def test_experts_no_token_of_a_ranks_batch_chose_name_nobody():
     assert _run(range(1, 300), norms_of=routed) == []
 
 
-def _sharded_digest(step: int, losses: dict[int, float], norms: dict[int, list[float]]):
+def _sharded_digest(step: int, losses: dict[int, float], norms: dict[int, list[float]], layers=LAYERS):
     from trainscout.wire.messages import NodeDigest, NumericRecord, PgState, RankState
 
     ranks = []
@@ -269,7 +269,7 @@ def _sharded_digest(step: int, losses: dict[int, float], norms: dict[int, list[f
         numerics = [NumericRecord(step, loss, norms[r])]
         ranks.append(
             RankState(
-                r, r, len(losses), 100 + r, True, step, 0.1, 0.1, step, [pg], numerics=numerics, numeric_layers=LAYERS
+                r, r, len(losses), 100 + r, True, step, 0.1, 0.1, step, [pg], numerics=numerics, numeric_layers=layers
             )
         )
     return NodeDigest("n0", "h0", step, ranks)
@@ -291,6 +291,31 @@ def test_a_sharded_jobs_shard_group_compares_losses_only_and_names_without_confi
         found += [ask.suspect for ask in det.judge(view).asks]
     assert [(f.rank, f.statistic, f.pattern, f.confirmable) for f in found] == [(1, "loss", "persistent", False)]
     assert found[0].step - 100 <= 5
+
+
+def test_a_sharded_jobs_reduce_scatter_inputs_are_compared_and_its_shards_are_not():
+    """FSDP2's reduce-scatter input is each rank's whole local gradient (probe/grad_sync.py): one step of noise
+    there, on rank 3, is a spike of that bucket; the parameters' shards (rank 2's far off here) stay ignored."""
+    from trainscout.detectors.interface import JobView
+
+    layers = LAYERS + ["grad-sync.0", "grad-sync.1"]
+    rng = random.Random(2)
+    det, found = NumericDetector(), []
+    for s in range(1, 200):
+        losses = {r: 4.0 * (1 + rng.gauss(0, 0.03)) for r in WORLD}
+        norms = {
+            r: [0.3 * (40 if r == 2 else 1)] * len(LAYERS)
+            + [0.5 * math.exp(rng.gauss(0, 0.1)) * (500 if (r, s) == (3, 120) else 1) for _ in range(2)]
+            for r in WORLD
+        }
+        det.observe(_sharded_digest(s, losses, norms, layers), 0.0)
+        view = JobView(now=0.0, ranks={}, seen={}, live=set(WORLD), members={"0": list(WORLD)}, classes={})
+        found += [ask.suspect for ask in det.judge(view).asks]
+    assert [(f.rank, f.step, f.statistic, f.pattern, f.confirmable) for f in found] == [
+        (3, 120, "grad_norm", "spike", False)
+    ]
+    assert found[0].layer.startswith("grad-sync.")
+    assert "gradient bucket" in numeric_finding(found[0]).summary
 
 
 def test_a_sharded_finding_is_named_at_once_and_says_why_it_is_not_confirmed():

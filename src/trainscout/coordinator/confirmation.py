@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from trainscout.detectors.numerics import LOSS_CALM_Z, NumericSuspect
 from trainscout.detectors.replay import SKIPPED
 from trainscout.findings import SDC, Finding
+from trainscout.markers import GRAD_SYNC_LAYER
 
 LEAD_S = 2.5  # seconds of training ahead the checks are scheduled: the request must reach every probe first
 WAIT_S = 15.0  # after the scheduled step's time, how long the results may take before the finding goes out
@@ -152,6 +153,13 @@ def without_replicas(f: Finding) -> Finding:
     return f
 
 
+def _gradient_of(layer: str) -> str:
+    """What the statistic measured: a layer's local gradient, or a bucket as it entered its reduction."""
+    if layer.startswith(GRAD_SYNC_LAYER):
+        return f"its gradient bucket {layer[len(GRAD_SYNC_LAYER) :]} as it entered the data-parallel reduction"
+    return f"its local gradient of {layer}"
+
+
 def numeric_finding(s: NumericSuspect) -> Finding:
     """The statistical finding a suspect becomes (completed by a confirmation)."""
     peers = "replicas" if s.confirmable else "data-parallel peers"  # a sharded job's shard group has no replica
@@ -167,13 +175,13 @@ def numeric_finding(s: NumericSuspect) -> Finding:
             else f"its other layers' gradients agreed with theirs (its loss z {s.loss_z:+.1f}: not a hard batch)"
         )
         what = (
-            f"its local gradient of {s.layer} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
-            f"{s.step}, before the all-reduce, while {calm}"
+            f"{_gradient_of(s.layer)} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
+            f"{s.step}, before the reduction, while {calm}"
         )
     else:
         what = (
-            f"its local gradient norm of {s.layer} is {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) in "
-            f"{len(s.steps)} of the last steps, before the all-reduce"
+            f"the norm of {_gradient_of(s.layer)} is {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) in "
+            f"{len(s.steps)} of the last steps, before the reduction"
         )
     return Finding(
         kind=SDC,

@@ -19,10 +19,14 @@ fault itself while it lasts). A rank is a suspect when it is far out in robust z
 Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
 which confirms them (replay, state fingerprints) before a finding is emitted.
 
+Besides the layers, the evidence lists each gradient bucket as it entered its data-parallel reduction
+(`grad-sync.K`, probe/grad_sync.py: a DDP communication hook's bucket, FSDP2's reduce-scatter input), compared
+like a layer: a bucket changed on its way to the reduction shows there alone.
+
 Sharded data parallelism (FSDP2 on a 1-D mesh, ZeRO-3) has no replicas, but the members of its shard group
-still compute the whole model on their own batches: their local losses are compared the same way (their
-gradients, read after the reduce-scatter, are shards and are not). Such a suspect has nothing to be
-confirmed against (`NumericSuspect.confirmable`).
+still compute the whole model on their own batches: their local losses and their reduce-scatter inputs are
+compared the same way (their parameters' gradients, read after the reduce-scatter, are shards and are not).
+Such a suspect has nothing to be confirmed against (`NumericSuspect.confirmable`).
 
 Pure logic: no torch, no I/O; inputs are plain numbers.
 """
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainscout.detectors.interface import Confirm, DetectorBase, JobView, Judgement
+from trainscout.markers import GRAD_SYNC_LAYER
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
     from trainscout.wire.messages import NodeDigest
@@ -134,9 +139,21 @@ class NumericDetector(DetectorBase):
                 self.add(st.rank, st.replica_group, st.numeric_layers, records, now)
                 continue
             shard = next((pg.name for pg in st.pgs if pg.role == "shard"), None)
-            if shard is not None:  # the loss only: its gradients are shards after the reduce-scatter
+            if shard is not None:  # its parameters' gradients are shards after the reduce-scatter: not compared
                 self._sharded.add(shard)
-                self.add(st.rank, shard, [], [(step, loss, []) for step, loss, _ in records], now)
+                keep = [i for i, name in enumerate(st.numeric_layers) if name.startswith(GRAD_SYNC_LAYER)]
+                layers = [st.numeric_layers[i] for i in keep]
+                whole = len(st.numeric_layers)
+                self.add(
+                    st.rank,
+                    shard,
+                    layers,
+                    [
+                        (step, loss, [norms[i] for i in keep] if len(norms) == whole else [])
+                        for step, loss, norms in records
+                    ],
+                    now,
+                )
 
     def judge(self, view: JobView) -> Judgement:
         """A statistical outlier is a suspect: it is named only once replay and the state check confirmed it."""

@@ -64,6 +64,8 @@ class CollectiveTap:
         # CUDA jobs: an event before a blocking call (or None) and the call's end given that event (StepTiming)
         self.on_begin: Callable[[], object] | None = None
         self.on_end: Callable[[object], None] | None = None
+        # (collective, group name, bound arguments) before a call is issued (probe/grad_sync.py)
+        self.on_issue: Callable[[str, str, Any], None] | None = None
         self.extras: "OrderedDict[tuple[str, int], str]" = OrderedDict()
         # (group, seq) of Python calls not put on record before issue: the publisher takes their record from
         # the Flight Recorder. A collective it counts that is neither there nor recorded was issued outside
@@ -217,6 +219,12 @@ class CollectiveTap:
             extra = " ".join(parts)
             if extra:
                 self._remember_extra(group.group_name, seq, extra)
+            if self.on_issue is not None:
+                try:
+                    self.on_issue(name, group.group_name, bound)
+                except Exception as exc:  # fail open: the listener goes, the record keeping stays
+                    self.on_issue = None
+                    self._on_error(f"collective listener disabled: {exc!r}")
             tensor_arg = _SYNC_RECORDED.get(name)
             if not (
                 tensor_arg

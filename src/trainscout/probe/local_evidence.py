@@ -19,15 +19,21 @@ import math
 import os
 import struct
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trainscout.channel.layout import DESC_BYTES, evidence_table_path
+from trainscout.markers import GRAD_SYNC_LAYER
+
+if TYPE_CHECKING:
+    from trainscout.probe.grad_sync import GradSyncNorms
 
 EVIDENCE_PG_INDEX = -5
 NORMS_PER_RECORD = DESC_BYTES // 4
 _LOSS = struct.Struct("<d")
 _BITS = struct.Struct("<Q")
+_MAX_HELD = 64
 
 
 def layer_of(name: str) -> str:
@@ -69,6 +75,10 @@ class LocalEvidence:
         self._loss_sum, self._losses = 0.0, 0
         self._sumsq: np.ndarray | None = None
         self.records = 0
+        self.grad_sync: GradSyncNorms | None = None  # each gradient bucket's norm as it entered its reduction
+        self._syncs = 0  # gradient reductions a step, listed after the layers as `grad-sync.K`
+        # CUDA steps' values whose reductions' norms are still in flight
+        self._held: list[tuple[int, float, np.ndarray | None]] = []
 
     def set_params(self, names: list[str]) -> None:
         """The parameters whose sums of squares `add_sumsq` will receive, in that order."""
@@ -84,10 +94,13 @@ class LocalEvidence:
         path = evidence_table_path(self.run_id, self.rank)
         try:
             with open(path + ".tmp", "w") as fh:
-                json.dump({"version": self.version, "layers": self.layers}, fh)
+                json.dump({"version": self.version, "layers": self._names()}, fh)
             os.replace(path + ".tmp", path)
         except OSError:
             pass  # the records still carry the loss; norms without names are dropped by the agent
+
+    def _names(self) -> list[str]:
+        return self.layers + [f"{GRAD_SYNC_LAYER}{k}" for k in range(self._syncs)]
 
     def add_loss(self, value: float) -> None:
         """A scalar loss entered backward (several per step with gradient accumulation: their mean is kept)."""
@@ -110,14 +123,40 @@ class LocalEvidence:
         self._loss_sum, self._losses = 0.0, 0
         self.emit_values(step, loss, sumsq)
 
-    def emit_values(self, step: int, loss: float, sumsq: np.ndarray | None) -> None:
-        """One step's values, also for results that land later (CUDA)."""
-        if sumsq is None or not self.layers or sumsq.shape != self._layer_index.shape:
-            norms = np.zeros(0, dtype=np.float32)
-        else:
+    def step_ended(self, step: int) -> None:
+        """The optimizer step `step` ended: what its backward passes reduced is its own (before any of its
+        evidence is emitted); records held for their reductions' norms go out once those landed."""
+        if self.grad_sync is None:
+            return
+        self.grad_sync.end_step(step)
+        held, self._held = self._held, []
+        for step, loss, sumsq in held:
+            self.emit_values(step, loss, sumsq)
+
+    def flush(self) -> None:
+        """At exit, after the CUDA results still in flight were judged: the records held for their reductions."""
+        held, self._held = self._held, []
+        for step, loss, sumsq in held:
+            self.emit_values(step, loss, sumsq, wait=True)
+
+    def emit_values(self, step: int, loss: float, sumsq: np.ndarray | None, wait: bool = False) -> None:
+        """One step's values, also for results that land later (CUDA); wait: at the end of the run, for the
+        reductions' norms still in flight."""
+        if self.grad_sync is not None and not wait and not self.grad_sync.landed(step):
+            if len(self._held) < _MAX_HELD:
+                self._held.append((step, loss, sumsq))
+            return
+        if sumsq is not None and self.layers and sumsq.shape == self._layer_index.shape:
+            measured = True
             with np.errstate(invalid="ignore", over="ignore"):
                 per_layer = np.bincount(self._layer_index, weights=sumsq.astype(np.float64), minlength=len(self.layers))
                 norms = np.sqrt(per_layer).astype(np.float32)
+        else:  # the layers not measured (FSDP2's gradients are shards anyway): only the reductions' inputs, if any
+            measured = False
+            norms = np.full(len(self.layers), np.nan, dtype=np.float32)
+        norms = self._with_syncs(step, norms)
+        if not measured and len(norms) == len(self.layers):
+            norms = np.zeros(0, dtype=np.float32)  # nothing measured: the loss alone
         bits, now = loss_bits(loss), time.time_ns()
         if not len(norms):
             self.append(EVIDENCE_PG_INDEX, step, bits, pack_header(0, 0, self.version), now, step, "evidence", b"")
@@ -134,3 +173,18 @@ class LocalEvidence:
                 chunk.tobytes(),
             )
         self.records += 1
+
+    def _with_syncs(self, step: int, norms: np.ndarray) -> np.ndarray:
+        """The layers' norms followed by the step's gradient reductions' (a new count of reductions is a new
+        table: DDP rebuilds its buckets after the first step)."""
+        synced = self.grad_sync.sums_of_squares(step) if self.grad_sync is not None else None
+        if synced is None:
+            if not self._syncs:
+                return norms
+            synced = np.full(self._syncs, np.nan)  # none seen this step: unknown, not zero
+        if len(synced) != self._syncs:
+            self._syncs = len(synced)
+            self.version += 1
+            self._write_table()
+        with np.errstate(invalid="ignore"):
+            return np.concatenate([norms, np.sqrt(synced).astype(np.float32)])

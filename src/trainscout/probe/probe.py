@@ -34,6 +34,7 @@ from trainscout.probe.hpz_check import HpzCheck
 from trainscout.probe.import_hooks import hooks
 from trainscout.probe.link_probe import LinkProbe
 from trainscout.probe.parts import Flushes, Part
+from trainscout.probe.grad_sync import GradSyncNorms
 from trainscout.probe.local_evidence import LocalEvidence
 from trainscout.probe.nonfinite import NonFiniteCheck
 from trainscout.probe.publisher import Publisher
@@ -107,6 +108,8 @@ class Probe:
         if checks.nonfinite.enabled:
             if cfg.probe.evidence:
                 self.evidence = LocalEvidence(self.publisher.append_locked, run_id, rank)
+                grad_sync = GradSyncNorms(self.publisher.role_of, self.report_error)
+                self.evidence.grad_sync, self.tap.on_issue = grad_sync, grad_sync.observe
             self.nonfinite = NonFiniteCheck(
                 self.publisher.append_locked,
                 lambda: self.step,
@@ -255,6 +258,11 @@ class Probe:
                     part.flush()
                 except Exception:
                     pass
+        if self.evidence is not None:
+            try:
+                self.evidence.flush()  # after the non-finite check's: its last records may wait on reductions
+            except Exception:
+                pass
         try:
             self.publisher.poll_collectives(force=True)
         except Exception:
@@ -566,6 +574,8 @@ class Probe:
             self.injector.on_step_end(self.step, optimizer, self.param_names, self.model)
 
     def _checks_after_step(self, optimizer) -> None:
+        if self.evidence is not None:
+            self.evidence.step_ended(self.step)
         if self.nonfinite is not None:
             self.nonfinite.check_step(self.timing.last_wall_s)
         if self.evidence is not None:

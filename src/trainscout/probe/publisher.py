@@ -259,6 +259,11 @@ class Publisher(threading.Thread):
             self._roles[name] = {"role": role, "framework": framework}
             self._write_pg_table()
 
+    def role_of(self, pg_name: str) -> str | None:
+        """The role an integration declared for the group, if any."""
+        declared = self._roles.get(pg_name)
+        return declared["role"] if declared else None
+
     def _index_of(self, pg_name: str) -> int:
         idx = self._pg_index.get(pg_name)
         if idx is None:

@@ -1,0 +1,102 @@
+"""Gradient buckets as they enter their data-parallel reduction (probe/grad_sync.py) and their place in a step's
+evidence (probe/local_evidence.py): real torch tensors on CPU, a real backward pass, the real sidecar table."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import numpy as np
+import torch
+
+from trainscout.channel.layout import evidence_table_path
+from trainscout.probe.grad_sync import GradSyncNorms
+from trainscout.probe.local_evidence import LocalEvidence, unpack_header
+
+ROLES = {"dp": "replicate", "fsdp": "shard", "tp": "tensor"}
+
+
+def _in_backward(fn) -> None:
+    """Run fn inside a real backward pass (where DDP's communication hooks and FSDP2's reduce-scatter run)."""
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda g: (fn(), g)[1])
+    (x * 3).sum().backward()
+
+
+def test_only_data_parallel_reductions_inside_a_backward_pass_are_measured():
+    errors: list[str] = []
+    sync = GradSyncNorms(ROLES.get, errors.append)
+    bucket = torch.full((4,), 2.0)
+    sync.observe("all_reduce", "dp", {"tensor": bucket})  # outside backward: an ordinary all-reduce
+    _in_backward(lambda: sync.observe("all_reduce", "tp", {"tensor": bucket}))  # tensor parallel: parts
+    _in_backward(lambda: sync.observe("broadcast", "dp", {"tensor": bucket}))  # not a reduction
+    _in_backward(lambda: sync.observe("all_reduce", "dp", {"tensor": torch.ones(3, dtype=torch.int64)}))
+    sync.end_step(1)
+    assert sync.sums_of_squares(1) is None and sync.observed == 0
+
+    _in_backward(lambda: sync.observe("all_reduce", "dp", {"tensor": bucket}))
+    _in_backward(lambda: sync.observe("reduce_scatter_single", "fsdp", {"input": bucket.half(), "output": None}))
+    _in_backward(lambda: sync.observe("reduce_scatter", "fsdp", {"input_list": [bucket, torch.ones(2)]}))
+    sync.end_step(2)
+    assert sync.sums_of_squares(2).tolist() == [16.0, 16.0, 18.0]
+    assert sync.sums_of_squares(2) is None  # taken once
+    assert errors == []
+
+
+def _read_table(run_id: str) -> dict:
+    with open(evidence_table_path(run_id, 0)) as fh:
+        return json.load(fh)
+
+
+def test_a_steps_reductions_follow_its_layers_in_the_evidence_and_a_new_count_is_a_new_table():
+    run_id = f"gs-{uuid.uuid4().hex[:8]}"
+    records: list[tuple] = []
+    evidence = LocalEvidence(lambda *rec: records.append(rec), run_id, 0)
+    evidence.grad_sync = sync = GradSyncNorms(ROLES.get, print)
+    try:
+        evidence.set_params(["blocks.0.w", "blocks.1.w"])
+        first = _read_table(run_id)
+        assert first["layers"] == ["blocks.0", "blocks.1"]
+
+        for step, buckets in ((1, [3.0]), (2, [3.0, 4.0]), (3, [])):
+            for value in buckets:
+                _in_backward(lambda value=value: sync.observe("all_reduce", "dp", {"tensor": torch.tensor([value])}))
+            evidence.add_loss(2.0)
+            evidence.add_sumsq(np.array([1.0, 4.0]))
+            evidence.step_ended(step)
+            evidence.emit(step)
+        norms = [np.frombuffer(rec[-1], dtype="<f4").tolist() for rec in records]
+        assert norms[0] == [1.0, 2.0, 3.0]
+        assert norms[1] == [1.0, 2.0, 3.0, 4.0]  # DDP rebuilt its buckets: two now
+        assert norms[2][:2] == [1.0, 2.0] and all(math.isnan(v) for v in norms[2][2:])  # none seen: unknown
+        table = _read_table(run_id)
+        assert table["layers"] == ["blocks.0", "blocks.1", "grad-sync.0", "grad-sync.1"]
+        versions = [unpack_header(rec[3])[2] for rec in records]
+        assert versions[0] < versions[1] == versions[2] == table["version"]
+    finally:
+        import os
+
+        os.unlink(evidence_table_path(run_id, 0))
+
+
+def test_a_sharded_rank_without_layer_norms_still_reports_its_reductions():
+    run_id = f"gs-{uuid.uuid4().hex[:8]}"
+    records: list[tuple] = []
+    evidence = LocalEvidence(lambda *rec: records.append(rec), run_id, 0)
+    evidence.grad_sync = sync = GradSyncNorms(ROLES.get, print)
+    try:
+        evidence.add_loss(2.0)
+        evidence.step_ended(1)
+        evidence.emit(1)  # nothing measured but the loss
+        _in_backward(lambda: sync.observe("reduce_scatter_single", "fsdp", {"input": torch.tensor([6.0, 8.0])}))
+        evidence.add_loss(2.0)
+        evidence.step_ended(2)
+        evidence.emit(2)
+        assert records[0][-1] == b""
+        assert np.frombuffer(records[1][-1], dtype="<f4").tolist() == [10.0]
+        assert _read_table(run_id)["layers"] == ["grad-sync.0"]
+    finally:
+        import os
+
+        os.unlink(evidence_table_path(run_id, 0))
