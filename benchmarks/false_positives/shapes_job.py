@@ -14,11 +14,14 @@ Shapes of benchmarks/RESULTS.md ("Job shapes nobody here had run", Dec 6) and th
   tiny steps                         --tiny --steps 1500
   stochastic depth                   --layerdrop 0.3
   FSDP2, 1-D mesh                    --fsdp   (faults: --x-flip 1:60, --x-sleep 2:60:30)
+  gradient accumulation (no_sync)    --accum 4
+  torch.compile, bf16 autocast       --compile, --bf16
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -46,6 +49,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads on every rank")
     p.add_argument("--tiny", action="store_true", help="a tiny model: steps of a few ms of compute")
     p.add_argument("--layerdrop", type=float, default=0.0, help="each rank skips each block with this chance")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches a step, all but the last under no_sync()")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast around the forward")
     p.add_argument("--x-sleep", default="", help="RANK:STEP:MS: the job sleeps in blocks.1's forward there")
     p.add_argument("--x-flip", default="", help="RANK:STEP: the job negates blocks.1's output there")
     return p.parse_args()
@@ -110,6 +116,8 @@ def main() -> None:
 
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    if args.compile:
+        model = torch.compile(model)
     teacher = LM(vocab, dim, args, rank).eval() if args.teacher else None
     now = [0]
     if args.x_sleep and rank == int(args.x_sleep.split(":")[0]):
@@ -143,14 +151,18 @@ def main() -> None:
     ckpt_dir = tempfile.mkdtemp(prefix="shapes_dcp_") if args.dcp_every else ""
     for step in range(1, args.steps + 1):
         now[0] = step
-        x = batch()
-        logits = model(x[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        if teacher is not None:
-            with torch.no_grad():
-                target = F.softmax(teacher(x[:, :-1]), -1)
-            loss = loss + 0.5 * F.kl_div(F.log_softmax(logits, -1), target, reduction="batchmean")
-        loss.backward()
+        for micro in range(args.accum):
+            x = batch()
+            sync = contextlib.nullcontext() if args.fsdp or micro == args.accum - 1 else model.no_sync()
+            with sync:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                    logits = model(x[:, :-1])
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+                    if teacher is not None:
+                        with torch.no_grad():
+                            target = F.softmax(teacher(x[:, :-1]).float(), -1)
+                        loss = loss + 0.5 * F.kl_div(F.log_softmax(logits.float(), -1), target, reduction="batchmean")
+                (loss / args.accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -117,6 +117,17 @@ def test_a_persistently_scaled_layer_gradient_is_named_with_its_layer():
     assert [(f.rank, f.statistic, f.pattern, f.layer) for f in found] == [(0, "grad_norm", "persistent", "blocks.1")]
 
 
+def test_in_a_class_of_three_only_the_rank_far_from_both_peers_is_named():
+    """With two peers their midpoint moves half-way to an outlier: the two healthy ranks of a three-rank class
+    (a pipeline's last stages, downstream of one stage computing wrong) were named beside it, once each."""
+    world = (0, 1, 2)
+    found = _run(range(1, 200), loss_of=lambda r, s, loss: loss * (3 if r == 1 and s >= 60 else 1), world=world)
+    assert [(f.rank, f.statistic, f.pattern) for f in found] == [(1, "loss", "persistent")]
+    found = _run(range(1, 200), loss_of=lambda r, s, loss: loss * (0.4 if r == 2 and s >= 60 else 1), world=world)
+    assert [(f.rank, f.statistic, f.pattern) for f in found] == [(2, "loss", "persistent")]
+    assert all(_run(range(1, 300), seed=seed, world=world) == [] for seed in range(3))
+
+
 def test_two_replicas_cannot_attribute():
     found = _run(range(1, 200), loss_of=lambda r, s, x: x * 3 if r == 1 and s >= 100 else x, world=(0, 1))
     assert found == []

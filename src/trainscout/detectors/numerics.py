@@ -107,7 +107,7 @@ class _Stat:
             sigma = MAD_TO_SIGMA * (mad if wide and self.was_wide else usual)
             sigma = max(sigma, 1e-6 * abs(centre), 1e-12)
             for r, v in values.items():
-                peers = median_without(ordered, v)  # the others' median, off the one sorted copy
+                peers = _reference(ordered, v)
                 out[r] = (v - peers, (v - peers) / sigma, peers)
         self.was_wide = wide
         self.dispersion.append(mad)
@@ -351,6 +351,18 @@ class NumericDetector(DetectorBase):
             return None
         self._reported.add((rank, name, "persistent"))
         return same
+
+
+def _reference(ordered: list[float], v: float) -> float:
+    """What a rank's value is held against: its peers' median, off the one sorted copy; with two peers, the one
+    nearer to it. Their midpoint moves half-way to an outlier among them: in a class of three, each healthy
+    rank then sat as far from it as the outlier did, on the other side, and all three were named (a pipeline
+    job whose one stage computed wrong). A rank is out only when it is far from a majority of its class."""
+    if len(ordered) != 3:
+        return median_without(ordered, v)
+    i = ordered.index(v)
+    a, b = (ordered[k] for k in range(3) if k != i)
+    return a if abs(v - a) <= abs(v - b) else b
 
 
 def _middle(s: list[float]) -> float:
