@@ -9,7 +9,7 @@ import random
 import pytest
 
 from trainscout.coordinator.confirmation import Confirmations, numeric_finding
-from trainscout.detectors.numerics import NumericDetector
+from trainscout.detectors.numerics import NumericDetector, NumericSuspect
 from trainscout.detectors.replay import ReplayDetector
 from trainscout.wire.messages import ReplayRecord
 
@@ -327,6 +327,57 @@ def test_a_sharded_jobs_reduce_scatter_inputs_are_compared_and_its_shards_are_no
     ]
     assert found[0].layer.startswith("grad-sync.")
     assert "gradient bucket" in numeric_finding(found[0]).summary
+
+
+def _tp_digest(step: int, losses: dict[int, float]):
+    """Ranks of one data-parallel class, each also in a tensor-parallel group (TP 2 x DP 3: the class is 0, 2, 4)."""
+    from trainscout.wire.messages import NodeDigest, NumericRecord, PgState, RankState
+
+    ranks = []
+    for r, loss in losses.items():
+        dp = PgState("dp", "dp", list(losses), step, 0, [], [], 0.0, role="replicate", framework="DDP")
+        tp = PgState(f"tp{r}", "tp", [r, r + 1], step, 0, [], [], 0.0, role="tensor", framework="DTensor TP")
+        ranks.append(
+            RankState(
+                r,
+                r,
+                6,
+                100 + r,
+                True,
+                step,
+                0.1,
+                0.1,
+                step,
+                [dp, tp],
+                numerics=[NumericRecord(step, loss, [])],
+                replica_group="dp",
+            )
+        )
+    return NodeDigest("n0", "h0", step, ranks)
+
+
+def test_a_tensor_parallel_ranks_deviation_is_named_only_where_replay_reproduces_it():
+    """A rank computes each layer with its tensor-parallel peers: a flip on one of them moves both ranks' loss
+    alike, and its healthy peer was named. Such a suspect is coupled; unreproduced, it is logged, not named."""
+    from trainscout.coordinator.confirmation import is_observation
+    from trainscout.detectors.interface import JobView
+
+    rng = random.Random(3)
+    det, found = NumericDetector(), []
+    for s in range(1, 120):
+        losses = {r: 4.0 * (1 + rng.gauss(0, 0.03)) * (3 if r == 2 and s >= 60 else 1) for r in (0, 2, 4)}
+        det.observe(_tp_digest(s, losses), 0.0)
+        view = JobView(now=0.0, ranks={}, seen={}, live={0, 2, 4}, members={}, classes={"dp": [0, 2, 4]})
+        found += [ask.suspect for ask in det.judge(view).asks]
+    assert [(f.rank, f.statistic, f.coupled) for f in found] == [(2, "loss", True)]
+    finding = numeric_finding(found[0])
+    finding.evidence["confirmation"] = {"outcome": "transient"}
+    assert is_observation(finding)
+    finding.evidence["confirmation"] = {"outcome": "reproduced"}
+    assert not is_observation(finding)
+    plain = numeric_finding(NumericSuspect(1, 80, "loss", "persistent", ratio=3.0, z=60.0, steps=[77, 78, 79, 80]))
+    plain.evidence["confirmation"] = {"outcome": "transient"}
+    assert not is_observation(plain)  # a replica computing alone: its loss is its own
 
 
 def test_a_sharded_finding_is_named_at_once_and_says_why_it_is_not_confirmed():

@@ -200,6 +200,7 @@ def numeric_finding(s: NumericSuspect) -> Finding:
             "flagged_steps": s.steps,
             "layers": s.layers,
             "loss_z": round(s.loss_z, 2),
+            **({"coupled": True} if s.coupled else {}),
         },
     )
 
@@ -208,9 +209,10 @@ def is_observation(f: Finding) -> bool:
     """A persistent gradient-norm deviation that neither replay nor the state check reproduced is logged, not
     named: a rank's batches alone move its norms away from its peers' for a few steps (1.8x and 2.2x in 4 of
     5 steps, twice in a 1-hour clean run), while a device computing wrong reproduces, and a forward gone
-    wrong also moves the loss (judged on its own)."""
-    return (
-        f.evidence.get("statistic") == "grad_norm"
-        and f.evidence.get("pattern") == "persistent"
-        and f.evidence.get("confirmation", {}).get("outcome") != "reproduced"
-    )
+    wrong also moves the loss (judged on its own). A rank coupled to others (tensor- or pipeline-parallel) is
+    named only where replay reproduced the deviation on it: otherwise the deviation may be any of its model
+    replica's ranks' (a flip on one pipeline stage moved the next stage's loss)."""
+    reproduced = f.evidence.get("confirmation", {}).get("outcome") == "reproduced"
+    if f.evidence.get("coupled"):
+        return not reproduced
+    return f.evidence.get("statistic") == "grad_norm" and f.evidence.get("pattern") == "persistent" and not reproduced

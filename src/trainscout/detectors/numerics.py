@@ -28,6 +28,12 @@ still compute the whole model on their own batches: their local losses and their
 compared the same way (their parameters' gradients, read after the reduce-scatter, are shards and are not).
 Such a suspect has nothing to be confirmed against (`NumericSuspect.confirmable`).
 
+A tensor-parallel rank computes each layer with its tensor-parallel peers, and a pipeline stage's loss is made
+from what the stages before it sent: a rank's numbers leaving its class's there say that its model replica went
+wrong, not that the rank did (a flip on one stage named the next stage's rank; on one tensor-parallel rank, its
+peer too). Such a suspect is `coupled`: the coordinator names it only where replay reproduces the deviation on
+that rank, and logs it otherwise.
+
 Pure logic: no torch, no I/O; inputs are plain numbers.
 """
 
@@ -40,13 +46,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainscout.detectors.interface import Confirm, DetectorBase, JobView, Judgement
-from trainscout.markers import GRAD_SYNC_LAYER
+from trainscout.markers import GRAD_SYNC_LAYER, P2P_WAIT
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
     from trainscout.wire.messages import NodeDigest
 
 from trainscout.consensus.leave_one_out import median_without
 
+COUPLING_ROLES = ("tensor", "pipeline")  # groups whose members compute one forward together
+PIPELINE_STEPS = 8  # steps with point-to-point calls (in at least half of its steps) that make a rank a stage
 MAD_TO_SIGMA = 1.4826
 WINDOW = 64  # steps of per-step dispersion the scale is taken from
 MIN_HISTORY = 16  # steps of dispersion needed before a statistic is judged
@@ -79,6 +87,7 @@ class NumericSuspect:
     layers: dict[str, float] = field(default_factory=dict)  # every deviating layer -> its ratio, at `step`
     loss_z: float = 0.0  # the rank's loss z at `step`
     confirmable: bool = True  # False in a sharded class: no replica holds the rank's state or replays its layers
+    coupled: bool = False  # its numbers depend on other ranks' work (tensor- or pipeline-parallel peers)
 
 
 class _Stat:
@@ -127,11 +136,15 @@ class NumericDetector(DetectorBase):
         self._last_spike: dict[int, int] = {}  # rank -> step of its last spike suspect
         self._named_ranks: set[int] = set()  # ranks already suspected of a persistent deviation
         self._sharded: set[str] = set()  # classes that are a sharded job's shard group (no replicas)
+        self._coupled: set[int] = set()  # ranks whose loss and gradients depend on other ranks' computation
+        self._p2p_steps: dict[int, list[int]] = {}  # rank -> [steps with point-to-point calls, steps seen]
         self.steps_judged = 0
         self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
 
     def observe(self, digest: NodeDigest, now: float) -> None:
         for st in digest.ranks:
+            if st.rank not in self._coupled:
+                self._learn_coupling(st)
             if not st.numerics:
                 continue
             records = [(n.step, n.loss, n.norms) for n in st.numerics]
@@ -154,6 +167,18 @@ class NumericDetector(DetectorBase):
                     ],
                     now,
                 )
+
+    def _learn_coupling(self, st) -> None:
+        """A tensor- or pipeline-parallel rank: a member of such a declared group, or a pipeline stage, whose
+        steps send to and receive from other stages (most of them: the link probe's one exchange does not count)."""
+        if any(pg.role in COUPLING_ROLES for pg in st.pgs):
+            self._coupled.add(st.rank)
+            return
+        counts = self._p2p_steps.setdefault(st.rank, [0, 0])
+        counts[0] += sum(1 for s in st.steps if P2P_WAIT in s.pg_wait)
+        counts[1] += len(st.steps)
+        if counts[0] >= PIPELINE_STEPS and 2 * counts[0] >= counts[1]:
+            self._coupled.add(st.rank)
 
     def judge(self, view: JobView) -> Judgement:
         """A statistical outlier is a suspect: it is named only once replay and the state check confirmed it."""
@@ -295,6 +320,7 @@ class NumericDetector(DetectorBase):
         out = self._one_per_rank(out)
         for s in out:
             s.confirmable = group not in self._sharded
+            s.coupled = s.rank in self._coupled
             self.trace.append((s.step, s.rank, s.statistic, s.pattern, s.layer, round(s.ratio, 3), round(s.z, 1)))
         return out
 
