@@ -24,22 +24,22 @@ def _bucket_finding(result, outcome: str) -> None:
         ("sdc", [2], "numeric_grad_norm")
     ], result.describe()
     found = result.findings[0]
-    assert found["step"] == 150 and found["evidence"]["pattern"] == "spike", result.describe()
+    assert found["step"] == 80 and found["evidence"]["pattern"] == "spike", result.describe()
     assert found["evidence"]["layer"].startswith("grad-sync."), result.describe()
     assert found["evidence"]["confirmation"]["outcome"] == outcome, result.describe()
 
 
 def test_noise_added_in_a_ddp_communication_hook_is_named_as_a_transient(jobs, tmp_path):
-    clean = run_under_trainscout(tmp_path, "hook-clean", _launch(120, "--hook"))
+    clean = run_under_trainscout(tmp_path, "hook-clean", _launch(80, "--hook"))
     assert clean.returncode == 0 and clean.findings == [], clean.describe()
-    job = start_under_trainscout(jobs, tmp_path, "hook-noise", _launch(400, "--sync-noise", "2:150"))
+    job = start_under_trainscout(jobs, tmp_path, "hook-noise", _launch(300, "--sync-noise", "2:80"))
     result = stop_once_found(job, lambda found: any(f["kind"] == "sdc" for f in found))
     assert result.returncode in (0, STOPPED), result.describe()
     _bucket_finding(result, "transient")  # replay recomputes the layers, which were right
 
 
 def test_noise_added_to_fsdp2s_reduce_scatter_input_is_named_unconfirmed(jobs, tmp_path):
-    job = start_under_trainscout(jobs, tmp_path, "rs-noise", _launch(400, "--fsdp", "--sync-noise", "2:150"))
+    job = start_under_trainscout(jobs, tmp_path, "rs-noise", _launch(300, "--fsdp", "--sync-noise", "2:80"))
     result = stop_once_found(job, lambda found: any(f["kind"] == "sdc" for f in found))
     assert result.returncode in (0, STOPPED), result.describe()
     _bucket_finding(result, "unconfirmed")
