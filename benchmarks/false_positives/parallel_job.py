@@ -159,6 +159,16 @@ def add_faults(args: argparse.Namespace, rank: int, block: nn.Module, now: list[
         block.register_forward_hook(lambda module, inputs, out: -out if now[0] >= flip_from else out)
 
 
+def shard_blocks_and_root(module: nn.Module, mesh) -> nn.Module:
+    """FSDP2 over the data-parallel mesh: each block, then the root (torchtitan's order)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in module.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
 def main() -> None:
     args = parse()
     dist.init_process_group("gloo")
@@ -178,12 +188,7 @@ def main() -> None:
         tensor_parallel(lm, mesh["tp"])
         add_faults(args, rank, lm.blocks[1], now, 1)
         if args.shape == "tp":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in lm.blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(lm, mesh=mesh["dp"])
-            model: nn.Module = lm
+            model: nn.Module = shard_blocks_and_root(lm, mesh["dp"])
         else:
             from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
@@ -197,12 +202,7 @@ def main() -> None:
         del lm
         add_faults(args, rank, stage_mod.blocks[0], now, args.micro)
         if args.pp_dp == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in stage_mod.blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(stage_mod, mesh=mesh["dp"])
-            wrapped: nn.Module = stage_mod
+            wrapped: nn.Module = shard_blocks_and_root(stage_mod, mesh["dp"])
         else:
             # find_unused_parameters: DDP's bucket rebuild after the first step fails an internal assert when
             # pipelining runs the micro-batch backwards under no_sync (torch 2.13); this path never rebuilds

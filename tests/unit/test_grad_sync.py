@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import uuid
 
 import numpy as np
+import pytest
 import torch
 
 from trainscout.channel.layout import evidence_table_path
@@ -49,54 +51,50 @@ def _read_table(run_id: str) -> dict:
         return json.load(fh)
 
 
-def test_a_steps_reductions_follow_its_layers_in_the_evidence_and_a_new_count_is_a_new_table():
+@pytest.fixture
+def wired():
+    """(evidence, its GradSyncNorms, the records it emits, its run id); its sidecar table removed after."""
     run_id = f"gs-{uuid.uuid4().hex[:8]}"
     records: list[tuple] = []
     evidence = LocalEvidence(lambda *rec: records.append(rec), run_id, 0)
-    evidence.grad_sync = sync = GradSyncNorms(ROLES.get, print)
-    try:
-        evidence.set_params(["blocks.0.w", "blocks.1.w"])
-        first = _read_table(run_id)
-        assert first["layers"] == ["blocks.0", "blocks.1"]
-
-        for step, buckets in ((1, [3.0]), (2, [3.0, 4.0]), (3, [])):
-            for value in buckets:
-                _in_backward(lambda value=value: sync.observe("all_reduce", "dp", {"tensor": torch.tensor([value])}))
-            evidence.add_loss(2.0)
-            evidence.add_sumsq(np.array([1.0, 4.0]))
-            evidence.step_ended(step)
-            evidence.emit(step)
-        norms = [np.frombuffer(rec[-1], dtype="<f4").tolist() for rec in records]
-        assert norms[0] == [1.0, 2.0, 3.0]
-        assert norms[1] == [1.0, 2.0, 3.0, 4.0]  # DDP rebuilt its buckets: two now
-        assert norms[2][:2] == [1.0, 2.0] and all(math.isnan(v) for v in norms[2][2:])  # none seen: unknown
-        table = _read_table(run_id)
-        assert table["layers"] == ["blocks.0", "blocks.1", "grad-sync.0", "grad-sync.1"]
-        versions = [unpack_header(rec[3])[2] for rec in records]
-        assert versions[0] < versions[1] == versions[2] == table["version"]
-    finally:
-        import os
-
+    evidence.grad_sync = GradSyncNorms(ROLES.get, print)
+    yield evidence, evidence.grad_sync, records, run_id
+    if os.path.exists(evidence_table_path(run_id, 0)):
         os.unlink(evidence_table_path(run_id, 0))
 
 
-def test_a_sharded_rank_without_layer_norms_still_reports_its_reductions():
-    run_id = f"gs-{uuid.uuid4().hex[:8]}"
-    records: list[tuple] = []
-    evidence = LocalEvidence(lambda *rec: records.append(rec), run_id, 0)
-    evidence.grad_sync = sync = GradSyncNorms(ROLES.get, print)
-    try:
-        evidence.add_loss(2.0)
-        evidence.step_ended(1)
-        evidence.emit(1)  # nothing measured but the loss
-        _in_backward(lambda: sync.observe("reduce_scatter_single", "fsdp", {"input": torch.tensor([6.0, 8.0])}))
-        evidence.add_loss(2.0)
-        evidence.step_ended(2)
-        evidence.emit(2)
-        assert records[0][-1] == b""
-        assert np.frombuffer(records[1][-1], dtype="<f4").tolist() == [10.0]
-        assert _read_table(run_id)["layers"] == ["grad-sync.0"]
-    finally:
-        import os
+def test_a_steps_reductions_follow_its_layers_in_the_evidence_and_a_new_count_is_a_new_table(wired):
+    evidence, sync, records, run_id = wired
+    evidence.set_params(["blocks.0.w", "blocks.1.w"])
+    first = _read_table(run_id)
+    assert first["layers"] == ["blocks.0", "blocks.1"]
 
-        os.unlink(evidence_table_path(run_id, 0))
+    for step, buckets in ((1, [3.0]), (2, [3.0, 4.0]), (3, [])):
+        for value in buckets:
+            _in_backward(lambda value=value: sync.observe("all_reduce", "dp", {"tensor": torch.tensor([value])}))
+        evidence.add_loss(2.0)
+        evidence.add_sumsq(np.array([1.0, 4.0]))
+        evidence.step_ended(step)
+        evidence.emit(step)
+    norms = [np.frombuffer(rec[-1], dtype="<f4").tolist() for rec in records]
+    assert norms[0] == [1.0, 2.0, 3.0]
+    assert norms[1] == [1.0, 2.0, 3.0, 4.0]  # DDP rebuilt its buckets: two now
+    assert norms[2][:2] == [1.0, 2.0] and all(math.isnan(v) for v in norms[2][2:])  # none seen: unknown
+    table = _read_table(run_id)
+    assert table["layers"] == ["blocks.0", "blocks.1", "grad-sync.0", "grad-sync.1"]
+    versions = [unpack_header(rec[3])[2] for rec in records]
+    assert versions[0] < versions[1] == versions[2] == table["version"]
+
+
+def test_a_sharded_rank_without_layer_norms_still_reports_its_reductions(wired):
+    evidence, sync, records, run_id = wired
+    evidence.add_loss(2.0)
+    evidence.step_ended(1)
+    evidence.emit(1)  # nothing measured but the loss
+    _in_backward(lambda: sync.observe("reduce_scatter_single", "fsdp", {"input": torch.tensor([6.0, 8.0])}))
+    evidence.add_loss(2.0)
+    evidence.step_ended(2)
+    evidence.emit(2)
+    assert records[0][-1] == b""
+    assert np.frombuffer(records[1][-1], dtype="<f4").tolist() == [10.0]
+    assert _read_table(run_id)["layers"] == ["grad-sync.0"]
