@@ -14,6 +14,7 @@ Shapes of benchmarks/RESULTS.md ("Job shapes nobody here had run", Dec 6) and th
   tiny steps                         --tiny --steps 1500
   stochastic depth                   --layerdrop 0.3
   FSDP2, 1-D mesh                    --fsdp   (faults: --x-flip 1:60, --x-sleep 2:60:30)
+  HSDP, 3 replicas x 2 shards        --fsdp --hsdp 3   (6 ranks)
   gradient accumulation (no_sync)    --accum 4
   torch.compile, bf16 autocast       --compile, --bf16
 """
@@ -46,6 +47,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ckpt", default="", choices=["", "reentrant", "nonreentrant"], help="activation checkpointing")
     p.add_argument("--teacher", action="store_true", help="distillation from a no_grad teacher")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per block and root, no DDP")
+    p.add_argument("--hsdp", type=int, default=0, help="with --fsdp: a 2-D mesh of this many replicas of the shards")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads on every rank")
     p.add_argument("--tiny", action="store_true", help="a tiny model: steps of a few ms of compute")
     p.add_argument("--layerdrop", type=float, default=0.0, help="each rank skips each block with this chance")
@@ -95,9 +97,15 @@ def main() -> None:
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if args.hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world = dist.get_world_size()
+            mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
         for block in lm.blocks:
-            fully_shard(block)
-        fully_shard(lm)
+            fully_shard(block, mesh=mesh)
+        fully_shard(lm, mesh=mesh)
         model: nn.Module = lm
     else:
         model = DistributedDataParallel(

@@ -43,7 +43,7 @@ def test_a_buckets_norm_is_taken_before_the_reduction_and_lands_with_its_step(cu
 
     def bucket_ready(p) -> None:  # as a communication hook: the bucket is handed over, then overwritten
         handed[state["step"] + 1] = p.grad.detach().clone()
-        sync.observe("all_reduce", "dp", {"tensor": p.grad})
+        sync.observe("all_reduce", "dp", {"tensor": p.grad, "async_op": True})
         p.grad.mul_(1000.0)
 
     model[0].weight.register_post_accumulate_grad_hook(bucket_ready)

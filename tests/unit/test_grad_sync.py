@@ -30,14 +30,19 @@ def test_only_data_parallel_reductions_inside_a_backward_pass_are_measured():
     errors: list[str] = []
     sync = GradSyncNorms(ROLES.get, errors.append)
     bucket = torch.full((4,), 2.0)
-    sync.observe("all_reduce", "dp", {"tensor": bucket})  # outside backward: an ordinary all-reduce
-    _in_backward(lambda: sync.observe("all_reduce", "tp", {"tensor": bucket}))  # tensor parallel: parts
-    _in_backward(lambda: sync.observe("broadcast", "dp", {"tensor": bucket}))  # not a reduction
-    _in_backward(lambda: sync.observe("all_reduce", "dp", {"tensor": torch.ones(3, dtype=torch.int64)}))
+    sync.observe("all_reduce", "dp", {"tensor": bucket, "async_op": True})  # outside backward: an ordinary all-reduce
+    _in_backward(
+        lambda: sync.observe("all_reduce", "tp", {"tensor": bucket, "async_op": True})
+    )  # tensor parallel: parts
+    _in_backward(lambda: sync.observe("broadcast", "dp", {"tensor": bucket, "async_op": True}))  # not a reduction
+    _in_backward(lambda: sync.observe("all_reduce", "dp", {"tensor": bucket}))  # SyncBatchNorm's statistics
+    _in_backward(
+        lambda: sync.observe("all_reduce", "dp", {"tensor": torch.ones(3, dtype=torch.int64), "async_op": True})
+    )
     sync.end_step(1)
     assert sync.sums_of_squares(1) is None and sync.observed == 0
 
-    _in_backward(lambda: sync.observe("all_reduce", "dp", {"tensor": bucket}))
+    _in_backward(lambda: sync.observe("all_reduce", "dp", {"tensor": bucket, "async_op": True}))
     _in_backward(lambda: sync.observe("reduce_scatter_single", "fsdp", {"input": bucket.half(), "output": None}))
     _in_backward(lambda: sync.observe("reduce_scatter", "fsdp", {"input_list": [bucket, torch.ones(2)]}))
     sync.end_step(2)
@@ -71,7 +76,11 @@ def test_a_steps_reductions_follow_its_layers_in_the_evidence_and_a_new_count_is
 
     for step, buckets in ((1, [3.0]), (2, [3.0, 4.0]), (3, [])):
         for value in buckets:
-            _in_backward(lambda value=value: sync.observe("all_reduce", "dp", {"tensor": torch.tensor([value])}))
+            _in_backward(
+                lambda value=value: sync.observe(
+                    "all_reduce", "dp", {"tensor": torch.tensor([value]), "async_op": True}
+                )
+            )
         evidence.add_loss(2.0)
         evidence.add_sumsq(np.array([1.0, 4.0]))
         evidence.step_ended(step)

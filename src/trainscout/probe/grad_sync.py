@@ -10,7 +10,9 @@ of a step carries the same parameters on every replica, so its norm is compared 
 
 Only reductions issued inside a backward pass, on a group an integration declared data-parallel (`replicate`
 or `shard`), count: a tensor-parallel reduction holds parts, not replicas, and DDP's own reducer (no hook)
-calls the collective from C++, where the per-parameter norms already saw its input. CPU: one float64 norm a
+calls the collective from C++, where the per-parameter norms already saw its input. An all-reduce counts only
+when issued asynchronously, as a communication hook must (it returns a future): SyncBatchNorm's backward
+all-reduces its channel statistics synchronously on the same group, and those are no gradient. CPU: one float64 norm a
 bucket at the call (a read of the bucket). CUDA: the norm is queued on the stream before the collective,
 the step's norms are copied to pinned memory behind an event at the step's end, and read once that event has
 completed, with the rest of the step's evidence, a few steps later (no host sync on the training path).
@@ -57,6 +59,8 @@ class GradSyncNorms:
             self._torch = torch
         if torch._C._current_graph_task_id() == -1:
             return  # not in a backward pass: not a gradient
+        if name == "all_reduce" and not bound.get("async_op"):
+            return  # a layer's own statistics (SyncBatchNorm's backward): a hook's bucket is reduced asynchronously
         if self._role_of(group_name) not in DATA_PARALLEL_ROLES:
             return
         value = bound.get(arg)
