@@ -107,3 +107,18 @@ def test_a_sharded_rank_without_layer_norms_still_reports_its_reductions(wired):
     assert records[0][-1] == b""
     assert np.frombuffer(records[1][-1], dtype="<f4").tolist() == [10.0]
     assert _read_table(run_id)["layers"] == ["grad-sync.0"]
+
+
+def test_a_large_bucket_is_sampled_and_its_norm_estimated_from_the_sample():
+    sync = GradSyncNorms(ROLES.get, print)
+    g = torch.Generator().manual_seed(0)
+    bucket = torch.randn(400_000, generator=g)
+    noisy = bucket.clone()
+    noisy[100_000:140_000] *= 100  # one layer's worth of elements gone wrong
+    for t in (bucket, noisy):
+        _in_backward(lambda t=t: sync.observe("all_reduce", "dp", {"tensor": t, "async_op": True}))
+    sync.end_step(1)
+    clean, wrong = sync.sums_of_squares(1)
+    assert math.isclose(clean, float(bucket.double().square().sum()), rel_tol=0.02)
+    assert math.isclose(wrong, float(noisy.double().square().sum()), rel_tol=0.15)  # 625 noisy samples
+    assert wrong / clean > 500
