@@ -1,7 +1,7 @@
-"""A gradient changed on its way into its reduction (tests/integration/wrapped_lm_job.py --sync-noise): in a DDP
-communication hook, where `.grad` never holds it, and in a wrapper of FSDP2's reduce-scatter, whose `.grad`
-after backward is a reduced shard. Neither showed in the per-layer norms; both went unnamed. The bucket's norm
-as it enters the collective is now part of the step's evidence (probe/grad_sync.py)."""
+"""A gradient changed on its way into its reduction (tests/integration/wrapped_lm_job.py --sync-noise: 100x its
+norm): in a DDP communication hook, where `.grad` never holds it, and in a wrapper of FSDP2's reduce-scatter,
+whose `.grad` after backward is a reduced shard. Neither showed in the per-layer norms; both went unnamed. The
+bucket's norm as it enters the collective is now part of the step's evidence (probe/grad_sync.py)."""
 
 from __future__ import annotations
 

@@ -92,12 +92,12 @@ def batch(step: int, rank: int, size: int = 8) -> torch.Tensor:
 
 
 def add_sync_noise(model, on_this_rank: bool, now_due) -> None:
-    """Where a gradient enters its reduction, outside trainscout: 1000x its norm of noise, once, on one rank."""
+    """Where a gradient enters its reduction, outside trainscout: 100x its norm of noise, once, on one rank."""
 
     def noisy(t: torch.Tensor) -> None:
         g = torch.Generator().manual_seed(7)
         noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
-        t.add_(noise * (1000 * t.norm() / noise.norm()))
+        t.add_(noise * (100 * t.norm() / noise.norm()))
 
     if isinstance(model, DistributedDataParallel):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

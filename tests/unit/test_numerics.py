@@ -117,6 +117,22 @@ def test_a_persistently_scaled_layer_gradient_is_named_with_its_layer():
     assert [(f.rank, f.statistic, f.pattern, f.layer) for f in found] == [(0, "grad_norm", "persistent", "blocks.1")]
 
 
+@pytest.mark.parametrize("name, named", [("grad-sync.0", True), ("blocks.0", False)])
+def test_a_bucket_spike_needs_less_z_than_a_layers(name, named):
+    """A gradient bucket sums many layers and moves little on a healthy rank: 140x one step, at z ~30 where the
+    statistic spreads 20 % across ranks, is named there; in one layer, whose batches move it more, it is not."""
+    rng = random.Random(4)
+    det, found = NumericDetector(), []
+    for s in range(1, 120):
+        for r in WORLD:
+            norm = 0.4 * math.exp(rng.gauss(0, 0.2)) * (140 if (r, s) == (2, 80) else 1)
+            det.add(r, "dp", [name], [(s, 4.0 * (1 + rng.gauss(0, 0.03)), [norm])], 0.0)
+        found += det.update(0.0, {"dp": list(WORLD)})
+    assert [(f.rank, f.step, f.pattern) for f in found] == ([(2, 80, "spike")] if named else [])
+    if named:
+        assert 25 <= found[0].z < 40, found[0].z
+
+
 def test_in_a_class_of_three_only_the_rank_far_from_both_peers_is_named():
     """With two peers their midpoint moves half-way to an outlier: the two healthy ranks of a three-rank class
     (a pipeline's last stages, downstream of one stage computing wrong) were named beside it, once each."""
