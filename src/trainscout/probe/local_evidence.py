@@ -129,15 +129,16 @@ class LocalEvidence:
         if self.grad_sync is None:
             return
         self.grad_sync.end_step(step)
-        held, self._held = self._held, []
-        for step, loss, sumsq in held:
-            self.emit_values(step, loss, sumsq)
+        self._release_held(wait=False)
 
     def flush(self) -> None:
         """At exit, after the CUDA results still in flight were judged: the records held for their reductions."""
+        self._release_held(wait=True)
+
+    def _release_held(self, wait: bool) -> None:
         held, self._held = self._held, []
         for step, loss, sumsq in held:
-            self.emit_values(step, loss, sumsq, wait=True)
+            self.emit_values(step, loss, sumsq, wait=wait)
 
     def emit_values(self, step: int, loss: float, sumsq: np.ndarray | None, wait: bool = False) -> None:
         """One step's values, also for results that land later (CUDA); wait: at the end of the run, for the
