@@ -122,3 +122,17 @@ def test_a_large_bucket_is_sampled_and_its_norm_estimated_from_the_sample():
     assert math.isclose(clean, float(bucket.double().square().sum()), rel_tol=0.02)
     assert math.isclose(wrong, float(noisy.double().square().sum()), rel_tol=0.15)  # 625 noisy samples
     assert wrong / clean > 500
+
+
+def test_a_few_thousand_elements_gone_wrong_inside_a_large_bucket_move_its_estimate():
+    sync = GradSyncNorms(ROLES.get, print)
+    g = torch.Generator().manual_seed(1)
+    bucket = torch.randn(1_000_000, generator=g)
+    noisy = bucket.clone()
+    noisy[300_000:304_096] *= 100  # a LayerNorm's worth of elements
+    for t in (bucket, noisy):
+        _in_backward(lambda t=t: sync.observe("all_reduce", "dp", {"tensor": t, "async_op": True}))
+    sync.end_step(1)
+    clean, wrong = sync.sums_of_squares(1)
+    truth = float(noisy.double().square().sum()) / float(bucket.double().square().sum())  # ~42x
+    assert math.isclose(wrong / clean, truth, rel_tol=0.3), (wrong / clean, truth)
