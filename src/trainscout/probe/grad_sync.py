@@ -38,8 +38,8 @@ DATA_PARALLEL_ROLES = ("replicate", "shard")
 # elements and of its bytes), its sum of squares scaled back up: a second full read of the gradients each step
 # would cost as much as the rest of the per-step evidence. Runs, not single elements 256 bytes apart: a memory
 # read fetches whole sectors, so single elements cost a quarter to a half of a full read. On an H100, 607M float32
-# elements: 0.058 ms in runs, 0.32 as single elements, 0.80 whole (bfloat16: 0.049, 0.23, 0.42); the estimate
-# within 0.002 %. Every replica samples the same positions; noise or a scale over a layer's worth of elements (a
+# elements: 0.057 ms in runs, 0.32 as single elements, 0.80 whole (bfloat16: 0.048, 0.23, 0.42); the estimate
+# within 0.1 %. Every replica samples the same positions; noise or a scale over a layer's worth of elements (a
 # few thousand or more) moves the estimate as it moves the whole.
 SAMPLE_STRIDE = 64
 SAMPLE_RUN = 16  # elements: 64 bytes of float32
