@@ -13,6 +13,9 @@ GPU_UNMEASURED = -2
 # StepRecord.pg_wait key (not a process group's name): time in blocking point-to-point calls; present whenever
 # the rank issued any in the step, so its step is a pipeline stage's, whose work differs from its peers' by design
 P2P_WAIT = "p2p"
+# StepRecord.pg_wait key: time waiting on asynchronous calls' handles (Work.wait after isend or an async_op
+# all-gather, a functional collective's wait_tensor), whose process group the wait does not tell
+ASYNC_WAIT = "async"
 # What a collective issued outside Python (DDP's C++ reducer, functional collectives) chains as, whether or not
 # the Flight Recorder has described it yet: every member chains the same value for it.
 NATIVE_HASH = int.from_bytes(hashlib.blake2b(b"native collective", digest_size=8).digest(), "little")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from trainscout.consensus import vote_statistical
 from trainscout.findings import STRAGGLER, Finding
-from trainscout.markers import P2P_WAIT
+from trainscout.markers import ASYNC_WAIT, P2P_WAIT
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
@@ -89,7 +89,7 @@ class CommStragglerWatch:
         if compute_flagged:
             self._last_compute_flag = step
         self._step = step
-        names = {name for rec in recs.values() for name in rec.pg_wait} - {P2P_WAIT}
+        names = {name for rec in recs.values() for name in rec.pg_wait} - {P2P_WAIT, ASYNC_WAIT}
         for name in names:
             waits = {r: rec.pg_wait[name] for r, rec in recs.items() if name in rec.pg_wait}
             if len(waits) < 2:

@@ -11,9 +11,11 @@ is already on record. They never change what the call does unless a fault is pla
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -66,6 +68,11 @@ class CollectiveTap:
         self.on_end: Callable[[object], None] | None = None
         # (collective, group name, bound arguments) before a call is issued (probe/grad_sync.py)
         self.on_issue: Callable[[str, str, Any], None] | None = None
+        # a wait on an asynchronous call's handle (Work.wait, a functional collective's wait_tensor): a token to
+        # time it with, or None where it is not the training thread's wait (StepTiming), and its end
+        self.on_async_begin: Callable[[], object] | None = None
+        self.on_async_end: Callable[[object], None] | None = None
+        self._inside = threading.local()  # in a wrapped call, whose own inner Work.wait is part of its time
         self.extras: "OrderedDict[tuple[str, int], str]" = OrderedDict()
         # (group, seq) of Python calls not put on record before issue: the publisher takes their record from
         # the Flight Recorder. A collective it counts that is neither there nor recorded was issued outside
@@ -102,6 +109,55 @@ class CollectiveTap:
             if fn is not None and not getattr(fn, "__trainscout_wrapped__", False):
                 self.originals[name] = fn
                 setattr(c10d_module, name, self._wrap_p2p(fn))
+        self.patch_work_wait(getattr(c10d_module, "Work", None))
+
+    def patch_work_wait(self, work_cls) -> None:
+        """Time `Work.wait()` where the training code waits on an asynchronous call's handle: FSDP2's all-gathers
+        and reduce-scatters, a pipeline schedule's sends and receives (`isend`, `batch_isend_irecv`). Left out,
+        that wait read as time the rank was blocked of its own accord: every pipeline stage blocked for its
+        bubbles, every FSDP2 rank 0-30 ms a step on a busy machine. Patched on the class, so a handle the
+        training code gets by any route is covered; the calls the wrappers time whole are not counted twice."""
+        wait = getattr(work_cls, "wait", None)
+        if wait is None or getattr(wait, "__trainscout_wrapped__", False):
+            return
+        self.originals["Work.wait"] = wait
+        inside = self._inside
+
+        @functools.wraps(wait)
+        def timed_wait(work, *args, **kwargs):
+            if self.on_async_begin is None or getattr(inside, "depth", 0):
+                return wait(work, *args, **kwargs)
+            token = self._async_begin()
+            try:
+                return wait(work, *args, **kwargs)
+            finally:
+                if token is not None:
+                    self._async_end(token)
+
+        timed_wait.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
+        try:
+            work_cls.wait = timed_wait
+        except (AttributeError, TypeError) as exc:  # a build whose Work type is closed: waits stay unmeasured
+            self.originals.pop("Work.wait", None)
+            self._on_error(f"asynchronous waits not timed: {exc!r}")
+
+    def _async_begin(self):
+        if _compiling():
+            return None
+        try:
+            return self.on_async_begin() if self.on_async_begin is not None else None
+        except Exception as exc:  # fail open: the wait goes on untimed
+            self.on_async_begin = None
+            self._on_error(f"asynchronous wait timing disabled: {exc!r}")
+            return None
+
+    def _async_end(self, token) -> None:
+        try:
+            if self.on_async_end is not None:
+                self.on_async_end(token)
+        except Exception as exc:
+            self.on_async_begin = self.on_async_end = None
+            self._on_error(f"asynchronous wait timing disabled: {exc!r}")
 
     def _wrap_p2p(self, fn: Callable) -> Callable:
         blocking = fn.__name__ in ("send", "recv")
@@ -112,12 +168,14 @@ class CollectiveTap:
             if _compiling() or self._broken or self._in_p2p:
                 return fn(*args, **kwargs)
             self._in_p2p = True
+            timed = not self._enter()  # the probe's own (a link probe's): no wait, and no pipeline stage
             try:
-                return counted(*args, **kwargs)
+                return counted(timed, *args, **kwargs)
             finally:
                 self._in_p2p = False
+                self._inside.depth -= 1
 
-        def counted(*args, **kwargs):
+        def counted(timed, *args, **kwargs):
             batch = args[0] if args and isinstance(args[0], list) else None  # batch_isend_irecv's P2POps
             groups = self._p2p_groups(batch, args, kwargs)
             ops = len(batch) if batch is not None else 1
@@ -135,7 +193,7 @@ class CollectiveTap:
             try:
                 return fn(*args, **kwargs)
             finally:
-                if self.on_wait is not None:  # blocking calls wait for the peer; async ones only mark the step
+                if timed and self.on_wait is not None:  # blocking calls wait for the peer; async ones mark the step
                     self.on_wait(P2P_WAIT, time.perf_counter() - t0 if blocking else 0.0)
                 for g, name, seq, expected in before:
                     taken = g._get_sequence_number_for_group() - seq
@@ -144,6 +202,22 @@ class CollectiveTap:
 
         wrapper.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
         return wrapper
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """The probe's own calls (replay's broadcasts, link probes): their waits are not the training's."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._inside.depth -= 1
+
+    def _enter(self) -> int:
+        """In a wrapped call from here on (this thread): its inner Work.wait is in its own time. Returns the
+        depth before: above 0, the call is inside another timed one or the probe's own (`untimed`)."""
+        depth = getattr(self._inside, "depth", 0)
+        self._inside.depth = depth + 1
+        return depth
 
     def _p2p_groups(self, batch, args, kwargs) -> list:
         """The process groups a P2P call uses (batch_isend_irecv: each op's), default group for None."""
@@ -180,10 +254,14 @@ class CollectiveTap:
             pg_name = None
             if not self._broken and sig is not None:
                 pg_name = self._note(call_name, call_fn, args, kwargs)
+            if getattr(self._inside, "depth", 0):
+                pg_name = None  # inside a timed call or the probe's own: not a wait of the training's own
             begin = self.on_begin() if pg_name is not None and self.on_begin is not None else None
+            self._enter()
             try:
                 return call_fn(*args, **kwargs)
             finally:
+                self._inside.depth -= 1
                 if pg_name is not None and self.on_wait is not None:
                     self.on_wait(pg_name, time.perf_counter() - t0)
                 if begin is not None:
@@ -289,6 +367,28 @@ class CollectiveTap:
 
         all_reduce.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
         funcol_module.all_reduce = all_reduce
+        self._patch_wait_tensor(funcol_module)
+
+    def _patch_wait_tensor(self, funcol_module) -> None:
+        """Time the functional collectives' wait (`wait_tensor`: where an AsyncCollectiveTensor is first used).
+        DTensor's tensor-parallel collectives are issued and waited for this way: left out, a tensor-parallel
+        rank's wait for its slow peer read as its own blocked time, so both were equally "slow"."""
+        fn = getattr(funcol_module, "wait_tensor", None)
+        if fn is None or getattr(fn, "__trainscout_wrapped__", False):
+            return
+        self.originals["functional.wait_tensor"] = fn
+
+        @functools.wraps(fn)
+        def wait_tensor(tensor):
+            token = self._async_begin() if self.on_async_begin is not None else None
+            try:
+                return fn(tensor)
+            finally:
+                if token is not None:
+                    self._async_end(token)
+
+        wait_tensor.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
+        funcol_module.wait_tensor = wait_tensor
 
     def _note_functional(self, sig, resolve, args, kwargs) -> None:
         try:

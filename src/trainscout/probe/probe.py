@@ -103,6 +103,7 @@ class Probe:
         # the tap reports to the step's timing (collective time is waiting, not compute)
         self.tap.on_wait = self.timing.add_wait
         self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end
+        self.tap.on_async_begin, self.tap.on_async_end = self.timing.async_wait_begin, self.timing.async_wait_end
         self.nonfinite = None
         self.evidence = None  # per-step loss and layer gradient norms, measured in the non-finite check's pass
         if checks.nonfinite.enabled:
@@ -566,7 +567,8 @@ class Probe:
         self.timing.after_step(self.step)
         probe_cpu0, probe_wall0 = time.thread_time(), time.perf_counter()
         try:
-            self._checks_after_step(optimizer)
+            with self.tap.untimed():
+                self._checks_after_step(optimizer)
         finally:  # the probe's own checks are not the rank's compute (straggler timing)
             self.timing.exclude_cpu(time.thread_time() - probe_cpu0)
             self.timing.exclude_wall(time.perf_counter() - probe_wall0)

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
+from trainscout.markers import ASYNC_WAIT
 from trainscout.wire.messages import GPU_UNMEASURED  # a CUDA step whose GPU span was not read
 
 STEP_PG_INDEX = -4
@@ -112,6 +114,7 @@ class StepTiming:
         self.wait_s = 0.0
         self.pg_wait: dict[str, float] = {}  # Python-level collective time per process group, this step
         self._backward_end: float | None = None
+        self._thread: int | None = None  # the thread that runs the steps (known from the first step's end)
         self._host_to_backward_s = 0.0
         self.last_wall_s = 0.0
         self.total_wall_s = 0.0  # from the first step's end: what per-step costs are compared against
@@ -185,7 +188,10 @@ class StepTiming:
     def collective_begin(self):
         """Before a blocking Python-level collective: (the run-queue clock, an event on the training stream on
         CUDA jobs, else None)."""
-        runq = self._runq.read() if self._runq is not None else None
+        # inside the gradient-sync wait (backward's end to its return: FSDP2's last reduce-scatter in its final
+        # callback) the whole span is counted as a wait, its run-queue delay with it
+        inside = self._backward_end is not None
+        runq = self._runq.read() if self._runq is not None and not inside else None
         if self._cuda is None or self._ev_start is None or self._ev_backward is not None:
             return runq, None  # after backward the GPU's wait is already in B..C
         try:
@@ -209,13 +215,31 @@ class StepTiming:
         except Exception:
             self._free_events.append(event)
 
+    def async_wait_begin(self):
+        """Before a wait on an asynchronous call's handle: a token, or None where the wait is not to be counted:
+        on another thread than the one that runs the steps (a background checkpoint's), or inside the
+        gradient-sync wait (backward's end to its return), which is counted whole."""
+        if self._backward_end is not None:
+            return None
+        if self._thread is not None and threading.get_ident() != self._thread:
+            return None
+        return time.perf_counter(), self.collective_begin()
+
+    def async_wait_end(self, token) -> None:
+        t0, begin = token
+        self.add_wait(ASYNC_WAIT, time.perf_counter() - t0)
+        self.collective_end(begin)
+
     def add_wait(self, pg_name: str, seconds: float) -> None:
-        """A blocking collective issued from Python took this long (the tap measures it)."""
-        self.wait_s += seconds
+        """A blocking collective issued from Python took this long (the tap measures it). Inside the
+        gradient-sync wait it is part of that span, already counted whole."""
+        if self._backward_end is None:
+            self.wait_s += seconds
         self.pg_wait[pg_name] = self.pg_wait.get(pg_name, 0.0) + seconds
 
     def after_step(self, step: int) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
+        self._thread = threading.get_ident()  # the thread that runs the steps: its waits are the step's
         compute_cpu = max(0.0, cpu - self._cpu - self.io_cpu_s - self.probe_cpu_s)
         runq_us = self._runq_us()
         fields = (
