@@ -60,6 +60,20 @@ class JobView:
         return sorted(r for ranks in self.classes.values() for r in ranks)
 
     @property
+    def work_classes(self) -> dict[str, list[int]]:
+        """Live ranks that do the same work each step: the replica classes, and for ranks in none (sharded data
+        parallel: FSDP2, ZeRO-3) the group they are sharded over, whose members compute the same layers on
+        different data. Ascending members; a shard group's class is named "shard:" + the group's name."""
+        out = {name: list(ranks) for name, ranks in self.classes.items()}
+        placed = {r for ranks in out.values() for r in ranks}
+        for r in sorted(self.live - placed):
+            obs = self.ranks.get(r)
+            shard = next((pg.name for pg in obs.state.pgs if pg.role == "shard"), None) if obs is not None else None
+            if shard is not None:
+                out.setdefault("shard:" + shard, []).append(r)
+        return out
+
+    @property
     def shared_gpu(self) -> bool:
         """Several live ranks compute on one GPU (their timings then mix)."""
         devices = [self.ranks[r].state.device for r in self.live if self.ranks[r].state.device]

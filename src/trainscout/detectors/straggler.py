@@ -23,6 +23,8 @@ ranks report it), else CPU time. With two ranks there is no majority: a rank who
 8 steps and over the last 32, AND who waits less for the other in the gradient sync (it arrives last) is
 named, at lower confidence.
 Only durations measured on one clock are compared, so no cross-host clock agreement is needed.
+A rank that made point-to-point calls in a step is a pipeline stage: it is compared, by all of the above, only
+with the same stage of the other pipeline replicas (its replica class, three or more), in a detector of its own.
 A uniformly slow job has no outlier. Rank 0's own work between steps (evaluation, logging) is observed, not
 named (side_work.py). Communication stragglers are comm_straggler.py's.
 """
@@ -155,6 +157,9 @@ class StragglerDetector(DetectorBase):
         self.steps_evaluated = 0
         self.compute_measure = "cpu"  # "gpu" once every rank reports GPU times
         self.comm = CommStragglerWatch()
+        self._class_of: dict[int, str] = {}  # rank -> its replica class (the coordinator's, at the last pass)
+        self._stages: dict[str, StragglerDetector] = {}  # pipeline stages: a replica class's own detector
+        self.one_class = False  # compare every rank given as one class (a pipeline stage's replicas)
         self.side_work = MainRankSideWork()  # rank 0's evaluation and logging between steps: observed, not named
         self.trace: deque = deque(maxlen=400)  # recent (step, metric, samples, outliers), for diagnosis
 
@@ -167,7 +172,11 @@ class StragglerDetector(DetectorBase):
 
     def judge(self, view: JobView) -> Judgement:
         self.shared_gpu = view.shared_gpu  # ranks competing for one GPU
-        out = Judgement(findings=self.update(view.now, view.live, view.members, waited_until=view.waited_until))
+        out = Judgement(
+            findings=self.update(
+                view.now, view.live, view.members, waited_until=view.waited_until, classes=view.work_classes
+            )
+        )
         out.events, self.side_work.observations = self.side_work.observations, []
         wanted = self.comm.take_request()
         if wanted is not None:
@@ -195,10 +204,14 @@ class StragglerDetector(DetectorBase):
         live: set[int],
         members: Mapping[str, list[int]] | None = None,
         waited_until: float | None = None,
+        classes: Mapping[str, list[int]] | None = None,
     ) -> list[Finding]:
         """Judge the steps every live rank reported (or that waited long enough, up to `waited_until`: see
         JobView.waited_until); `members`: the process groups as the coordinator knows them (None: as the ranks'
-        records show them)."""
+        records show them); `classes`: ranks that do the same work (JobView.work_classes): pipeline stages are compared
+        within theirs."""
+        if classes is not None:
+            self._class_of = {r: cls for cls, ranks in classes.items() for r in ranks}
         findings: list[Finding] = []
         waited = now if waited_until is None else waited_until
         for step in sorted(self._pending):
@@ -206,10 +219,17 @@ class StragglerDetector(DetectorBase):
             if not live <= set(entry["ranks"]) and waited - entry["t"] < self.wait_s:
                 break  # steps are judged in order
             del self._pending[step]
-            # pipeline stages (point-to-point calls in the step) do different work by design: not compared
-            recs = {r: rec for r, rec in entry["ranks"].items() if P2P_WAIT not in rec.pg_wait}
-            if step <= 1 or len(recs) < 2:
+            if step <= 1:
                 continue  # the first step carries start-up
+            # pipeline stages (point-to-point calls in the step) do different work by design: a stage is compared
+            # with the same stage of the other pipeline replicas only (its replica class)
+            recs = entry["ranks"]
+            if not self.one_class:
+                recs = {r: rec for r, rec in recs.items() if P2P_WAIT not in rec.pg_wait}
+                if len(recs) < len(entry["ranks"]):
+                    findings.extend(self._judge_stages(step, entry["ranks"], now))
+            if len(recs) < 2:
+                continue
             self.steps_evaluated += 1
             self.side_work.note(step, recs)
             compute_flagged = False
@@ -224,6 +244,32 @@ class StragglerDetector(DetectorBase):
             self.comm.observe(step, recs, compute_flagged, now, members)
         findings.extend(self.comm.judge(now))
         return self.side_work.keep(findings)
+
+    def _judge_stages(self, step: int, ranks: dict[int, StepRecord], now: float) -> list[Finding]:
+        """Pipeline stages: each against the same stage of the other pipeline replicas (its replica class, or the
+        group its stage is sharded over; three or more), by every rule above, in a detector of its own that
+        compares the ranks it is given as one class. Ranks of no known class, or of a class too small for a
+        majority, are not judged."""
+        pools: dict[str, dict[int, StepRecord]] = {}
+        for r, rec in ranks.items():
+            cls = self._class_of.get(r)
+            if cls is not None and P2P_WAIT in rec.pg_wait:
+                pools.setdefault(cls, {})[r] = rec
+        out: list[Finding] = []
+        for cls, recs in pools.items():
+            if len(recs) < 3:
+                continue
+            stage = self._stages.get(cls)
+            if stage is None:
+                stage = self._stages[cls] = StragglerDetector(
+                    self.k, self.m, self.wait_s, self.intermittent_min, self.window, self.spike_ratio, self.gpu_compute
+                )
+                stage.one_class = True
+            stage.shared_gpu = self.shared_gpu
+            for r, rec in recs.items():
+                stage.add(r, [rec], now)
+            out.extend(stage.update(now, set(recs)))
+        return out
 
     # ---- per step ------------------------------------------------------------------------------
     def _samples(self, recs: dict[int, StepRecord], metric: Metric) -> dict[int, float]:
