@@ -193,12 +193,12 @@ def test_gather_check_on_cuda_publishes_the_cpu_fingerprint_of_each_gathered_par
     check = GatherCheck(
         lambda *rec: records.append(rec),
         lambda: state["step"],
-        lambda name: table.setdefault(name, len(table)),
+        lambda name, group: table.setdefault(name, len(table)),
         period=1,
         budget=0,
     )
     model = _model(cuda)
-    check.watch(model)
+    check.watch(model, "0")
     expected = {}
     for step in range(1, 8):
         # as FSDP does around every gather: the full parameters live in new storage each step

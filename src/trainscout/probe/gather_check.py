@@ -4,9 +4,12 @@ the same full tensor.
 `fully_shard` is wrapped; each sharded module gets a forward pre-hook that runs after FSDP's own
 (hooks run in registration order), when the module's parameters are the gathered full tensors. On a
 rotation over modules (the same on every rank), the gathered parameters are fingerprinted and sent
-like replicated-state fingerprints, with the default group as the class of receivers: with one or
-two mesh dimensions every rank gathers the same full parameter. A receiver whose gathered copy
-differs from a strict majority is named.
+like replicated-state fingerprints, with the ranks of the unit's mesh as the class of receivers: every
+rank of the mesh it is sharded over (both dimensions of an HSDP mesh) gathers the same full parameter, and
+no other rank need hold it (a pipeline stage's units are sharded over that stage's data-parallel group; a
+tensor-parallel job's over one tensor-parallel coordinate's). A receiver whose gathered copy differs from a
+strict majority is named. A unit sharded over a sub-mesh of several dimensions (HSDP inside a pipeline
+stage), which no one process group spans, is not checked.
 
 Schedule: module i belongs to group i mod G (G = the period made odd); step s checks group s mod G, on
 steps that are a multiple of a power-of-two stride. Replicas need not agree on the stride: the group
@@ -50,7 +53,7 @@ class GatherCheck:
     ) -> None:
         self.append = append
         self.get_step = get_step
-        self.register_tensor = register_tensor  # name -> tensor id in the shared tensor table
+        self.register_tensor = register_tensor  # (name, receivers' group name) -> tensor id in the tensor table
         self.period = max(1, period)
         self.groups = self.period | 1  # odd: every power-of-two stride reaches every group
         self.budget = budget
@@ -76,7 +79,9 @@ class GatherCheck:
         def fully_shard(mod, *args, **kwargs):
             result = real(mod, *args, **kwargs)
             try:
-                check.watch(result if result is not None else mod)
+                group = _receivers(kwargs.get("mesh"))
+                if group is not None:
+                    check.watch(result if result is not None else mod, group)
             except Exception:
                 pass  # fail open: sharding itself must not be affected
             return result
@@ -84,10 +89,11 @@ class GatherCheck:
         # fully_shard carries attributes its own code uses (fully_shard.state(module)): keep them all
         module.fully_shard = functools.wraps(real)(fully_shard)
 
-    def watch(self, mod) -> None:
+    def watch(self, mod, group: str) -> None:
+        """Check the unit's gathered parameters; `group`: the process group of the ranks that gather them."""
         index = self.modules
         self.modules += 1
-        unit = _Unit(index, f"gathered[{index}]{type(mod).__name__}")
+        unit = _Unit(index, f"gathered[{index}]{type(mod).__name__}", group)
 
         def pre_forward(m, args):
             if not m.training:
@@ -258,11 +264,12 @@ class GatherCheck:
 class _Unit:
     """One FSDP unit's cached check state: where its parameters live, their tensor ids, prepared launches."""
 
-    __slots__ = ("index", "label", "params", "tids", "prepared", "prepared_key", "meta", "checks", "off")
+    __slots__ = ("index", "label", "group", "params", "tids", "prepared", "prepared_key", "meta", "checks", "off")
 
-    def __init__(self, index: int, label: str) -> None:
+    def __init__(self, index: int, label: str, group: str) -> None:
         self.index = index
         self.label = label
+        self.group = group  # the receivers' process group: the class their fingerprints are compared in
         self.params: list[tuple[Any, str, str]] | None = None  # [(submodule, parameter name, full name)]
         self.tids: dict[str, int] = {}
         self.prepared: PreparedRanges | None = None
@@ -274,8 +281,23 @@ class _Unit:
     def tid(self, name: str, register) -> int:
         tid = self.tids.get(name)
         if tid is None:
-            tid = self.tids[name] = register(name)
+            tid = self.tids[name] = register(name, self.group)
         return tid
+
+
+def _receivers(mesh) -> str | None:
+    """The process group of the ranks that gather a unit sharded over `mesh` (None: fully_shard's default, the
+    world), or None where no one group spans them (a sub-mesh of several dimensions)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    if mesh is None or mesh.size() == dist.get_world_size():
+        return world.group_name
+    if mesh.ndim == 1:
+        return mesh.get_group().group_name
+    return None
 
 
 def _own_parameters(module, prefix: str = ""):

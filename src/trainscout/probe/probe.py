@@ -124,7 +124,7 @@ class Probe:
             self.gather_check = GatherCheck(
                 self.publisher.append_locked,
                 lambda: self.step,
-                lambda name: self.state_check.register(name, _world_group_name()),
+                lambda name, group: self.state_check.register(name, group),
                 period=checks.gather.period,
                 before_check=self.injector.on_gathered if self.injector is not None else None,
             )
@@ -667,15 +667,6 @@ def _watch_joins_of(probe: Probe, module) -> None:
     cls.__enter__, cls.__exit__ = __enter__, __exit__
     cls.notify_join_context = staticmethod(notify_join_context)
     cls._trainscout_watched = True
-
-
-def _world_group_name() -> str:
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    if world is None:  # not initialised yet: fail as before, the caller's check stops (fail open)
-        raise RuntimeError("torch.distributed has no default process group")
-    return world.group_name
 
 
 def _env_number(name: str, default):
