@@ -80,3 +80,21 @@ def test_stages_without_replicas_are_not_compared():
 
 def test_without_replica_classes_stages_are_not_judged():
     assert _feed(lambda r, s: 0.015 if r == 2 and s >= 60 else 0.0, classes={}) == []
+
+
+def test_work_classes_are_replica_classes_and_for_sharded_ranks_their_shard_group():
+    from test_detectors import obs, pg
+
+    from trainscout.detectors.interface import JobView
+
+    def shard(name, members):
+        group = pg(1, name=name, members=members)
+        group.role = "shard"
+        return group
+
+    # ranks 0-3: two pipeline stages sharded by FSDP2 over {0, 2} and {1, 3}; 4 and 5: DDP replicas; 6: neither
+    ranks = {r: obs(r, [pg(1, members=range(7)), shard(f"s{r % 2}", [r % 2, r % 2 + 2])]) for r in range(4)}
+    ranks |= {r: obs(r, [pg(1, members=range(7))]) for r in (4, 5, 6)}
+    view = JobView(now=1.0, ranks=ranks, seen=ranks, live=set(ranks), members={}, classes={"ddp": [4, 5]})
+
+    assert view.work_classes == {"ddp": [4, 5], "shard:s0": [0, 2], "shard:s1": [1, 3]}
