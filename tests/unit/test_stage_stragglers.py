@@ -72,6 +72,14 @@ def test_a_stage_with_more_compute_is_named_against_its_replicas():
     assert 60 <= found[0].step <= 75
 
 
+def test_a_stage_slow_in_two_ways_is_named_once():
+    found = _feed(
+        lambda r, s: 0.015 if r == 4 and s >= 60 else 0.0, busy=lambda r, s: 0.030 if r == 4 and s >= 60 else 0.0
+    )
+
+    assert [(f.kind, f.culprit_ranks) for f in found] == [("straggler", [4])]
+
+
 def test_stages_without_replicas_are_not_compared():
     # one pipeline replica: each stage is alone in its class, and the two stages do different work
     classes = {"a": [0], "b": [1], "c": [2], "d": [3], "e": [4], "f": [5]}
