@@ -68,7 +68,7 @@ class JobView:
         placed = {r for ranks in out.values() for r in ranks}
         for r in sorted(self.live - placed):
             obs = self.ranks.get(r)
-            shard = next((pg.name for pg in obs.state.pgs if pg.role == "shard"), None) if obs is not None else None
+            shard = shard_group(obs.state) if obs is not None else None
             if shard is not None:
                 out.setdefault("shard:" + shard, []).append(r)
         return out
@@ -78,6 +78,12 @@ class JobView:
         """Several live ranks compute on one GPU (their timings then mix)."""
         devices = [self.ranks[r].state.device for r in self.live if self.ranks[r].state.device]
         return len(devices) != len(set(devices))
+
+
+def shard_group(state) -> str | None:
+    """The name of the group a rank's parameters are sharded over (declared "shard" by a framework integration:
+    FSDP2, ZeRO-3), or None."""
+    return next((pg.name for pg in state.pgs if pg.role == "shard"), None)
 
 
 def evidence_clock(now: float, caught_up: float | None) -> float:

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trainscout.detectors.interface import Confirm, DetectorBase, JobView, Judgement
+from trainscout.detectors.interface import Confirm, DetectorBase, JobView, Judgement, shard_group
 from trainscout.markers import GRAD_SYNC_LAYER, P2P_WAIT
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
@@ -156,7 +156,7 @@ class NumericDetector(DetectorBase):
             if st.replica_group:
                 self.add(st.rank, st.replica_group, st.numeric_layers, records, now)
                 continue
-            shard = next((pg.name for pg in st.pgs if pg.role == "shard"), None)
+            shard = shard_group(st)
             if shard is not None:  # its parameters' gradients are shards after the reduce-scatter: not compared
                 self._sharded.add(shard)
                 keep = [i for i, name in enumerate(st.numeric_layers) if name.startswith(GRAD_SYNC_LAYER)]

@@ -24,7 +24,8 @@ ranks report it), else CPU time. With two ranks there is no majority: a rank who
 named, at lower confidence.
 Only durations measured on one clock are compared, so no cross-host clock agreement is needed.
 A rank that made point-to-point calls in a step is a pipeline stage: it is compared, by all of the above, only
-with the same stage of the other pipeline replicas (its replica class, three or more), in a detector of its own.
+with the same stage of the other pipeline replicas (its replica class, or the group its stage is sharded over;
+three or more), in a detector of its own, which names a stage once.
 A uniformly slow job has no outlier. Rank 0's own work between steps (evaluation, logging) is observed, not
 named (side_work.py). Communication stragglers are comm_straggler.py's.
 """
