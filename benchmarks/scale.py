@@ -24,6 +24,7 @@ at several scales (benchmarks/scale_matrix.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -574,6 +575,16 @@ def serve_coordinator(args: argparse.Namespace) -> int:
         handle_s[0] += time.process_time() - t
         handle_s[1] += 1
 
+    gc_s = [0.0, 0.0, 0.0]  # seconds in garbage collection, per generation
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_s[info["generation"]] += time.perf_counter() - gc_start[0]
+
+    gc.callbacks.append(on_gc)
     coord.detect = timed_detect  # type: ignore[method-assign]
     coord.handle = timed_handle  # type: ignore[method-assign]
 
@@ -592,7 +603,7 @@ def serve_coordinator(args: argparse.Namespace) -> int:
         if handle_profile is not None:
             handle_profile.dump_stats(str(run_dir / "handle.prof"))
         (run_dir / "passes.json").write_text(
-            json.dumps({"passes": passes, "handle_cpu_s": handle_s[0], "messages": handle_s[1]})
+            json.dumps({"passes": passes, "handle_cpu_s": handle_s[0], "messages": handle_s[1], "gc_s": gc_s})
         )
     return 0
 
@@ -707,6 +718,8 @@ def run_once(args: argparse.Namespace) -> dict:
         "coordinator_rss_gib": rss_max / 2**30,
         "coordinator_cpu": (cpu_end[1] - cpu_start[1]) / (cpu_end[0] - cpu_start[0]) if cpu_start else None,
         "handle_cpu_ms_per_digest": 1e3 * timing["handle_cpu_s"] / max(1, timing["messages"]),
+        # the coordinator's seconds in garbage collection per second of the run, young and full collections
+        "gc_s_per_s": [round(g / max(1e-9, cpu_end[0] - t0), 4) for g in timing.get("gc_s", [])],
         "digest_bytes_per_node_s": sum(s["bytes"] for s in sims)
         / max(1, sum(s["digests"] for s in sims))
         / args.interval,

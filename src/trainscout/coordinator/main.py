@@ -25,6 +25,7 @@ import msgspec
 from trainscout import config, log
 from trainscout.coordinator import confirmation
 from trainscout.coordinator.attempts import AttemptTracker
+from trainscout.coordinator.collection import Collection
 from trainscout.coordinator.memberships import Memberships
 from trainscout.coordinator.step_commands import StepCommands
 from trainscout.detectors.devices import DeviceWatch
@@ -899,6 +900,11 @@ class Coordinator:
     def run(self, detect_every_s: float = 1.0, after_digest_s: float = 0.5) -> None:
         """Detect once a second, and soon after a digest arrives (but not more often than every
         `after_digest_s`): what a digest brings is acted on at once, whatever the phase of the two clocks."""
+        with Collection() as collection:
+            self._run(collection, detect_every_s, after_digest_s)
+        self.finish()
+
+    def _run(self, collection: Collection, detect_every_s: float, after_digest_s: float) -> None:
         next_detect = 0.0
         last_detect = 0.0
         last_pass_s = 0.0
@@ -924,11 +930,13 @@ class Coordinator:
                     self.events.write("coordinator_stalled", seconds=round(now - last_detect, 1))
                 self.detect(now)
                 last_pass_s = time.monotonic() - now
+                took = collection.maybe_full(time.monotonic())  # between passes, rarely (see collection.py)
+                if took > 1.0:
+                    self.events.write("coordinator_collected", seconds=round(took, 2))
                 # from the pass's end: a pass that takes long (a large job) must leave time for the digests,
                 # or passes run back to back with one digest handled between them
                 last_detect = time.monotonic()
                 next_detect = last_detect + detect_every_s
-        self.finish()
 
     def finish(self) -> None:
         # Drain what agents send while they stop, then decide with everything known.

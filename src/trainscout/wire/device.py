@@ -39,7 +39,7 @@ def decode_throttle(mask: int) -> list[str]:
     return [name for bit, name in THROTTLE_REASONS if mask & bit]
 
 
-class DeviceReading(msgspec.Struct, array_like=True):
+class DeviceReading(msgspec.Struct, array_like=True, gc=False):
     index: int  # NVML index on the node (PCI bus order; not the CUDA ordinal of a rank)
     uuid: str = ""
     name: str = ""

@@ -17,7 +17,7 @@ import msgspec
 from trainscout.wire.device import DeviceReading
 
 
-class CollectiveRecord(msgspec.Struct, array_like=True):
+class CollectiveRecord(msgspec.Struct, array_like=True, gc=False):
     seq: int  # per-process-group collective sequence number (1-based, as the Flight Recorder counts)
     op: str  # e.g. "all_reduce"
     desc: str  # human-readable signature: op, dtypes, shapes, reduce op, root
@@ -30,7 +30,7 @@ class CollectiveRecord(msgspec.Struct, array_like=True):
     native: bool = False
 
 
-class PgState(msgspec.Struct, array_like=True):
+class PgState(msgspec.Struct, array_like=True, gc=False):
     name: str  # torch.distributed group name, identical on every member
     desc: str
     members: list[int]  # global ranks; empty: sent once in NodeDigest.groups (the coordinator fills it in)
@@ -45,7 +45,7 @@ class PgState(msgspec.Struct, array_like=True):
     framework: str = ""  # who declared it (DDP, HSDP, DeepSpeed ZeRO-2, ...)
 
 
-class RankExit(msgspec.Struct, array_like=True):
+class RankExit(msgspec.Struct, array_like=True, gc=False):
     how: str  # exit | exception | signal | vanished
     code: int | None
     signal: int | None
@@ -54,7 +54,7 @@ class RankExit(msgspec.Struct, array_like=True):
     age_s: float  # seconds since the exit was observed
 
 
-class StateRecord(msgspec.Struct, array_like=True):
+class StateRecord(msgspec.Struct, array_like=True, gc=False):
     """Fingerprint of one byte range of one replicated tensor after an optimizer step."""
 
     step: int
@@ -65,12 +65,12 @@ class StateRecord(msgspec.Struct, array_like=True):
     group: str = ""  # process group whose members must agree on it ("" = the rank's replica group)
 
 
-class NonFiniteEvent(msgspec.Struct, array_like=True):
+class NonFiniteEvent(msgspec.Struct, array_like=True, gc=False):
     step: int  # the step being computed when the value turned non-finite (before any reduction)
     what: str  # "loss" or "grad <parameter name>"
 
 
-class ReplayRecord(msgspec.Struct, array_like=True):
+class ReplayRecord(msgspec.Struct, array_like=True, gc=False):
     step: int
     layer: str
     output: int  # fingerprint of the layer's output
@@ -82,7 +82,7 @@ class ReplayRecord(msgspec.Struct, array_like=True):
 from trainscout.markers import GPU_UNMEASURED  # noqa: E402, F401
 
 
-class StepRecord(msgspec.Struct, array_like=True):
+class StepRecord(msgspec.Struct, array_like=True, gc=False):
     """One optimizer step of one rank: durations measured by the rank itself (no clock comparison)."""
 
     step: int
@@ -103,7 +103,7 @@ class StepRecord(msgspec.Struct, array_like=True):
     data_workers_s: float = 0.0  # the part of data_s spent waiting for DataLoader worker processes' batches
 
 
-class NumericRecord(msgspec.Struct, array_like=True):
+class NumericRecord(msgspec.Struct, array_like=True, gc=False):
     """One optimizer step of one rank: its local loss and its local gradient's L2 norm per layer, both measured
     before any reduction (after DDP averages, every replica holds the same gradient)."""
 
@@ -112,7 +112,7 @@ class NumericRecord(msgspec.Struct, array_like=True):
     norms: list[float] = []  # per layer of RankState.numeric_layers; empty: not measured
 
 
-class LinkRecord(msgspec.Struct, array_like=True):
+class LinkRecord(msgspec.Struct, array_like=True, gc=False):
     """One link probe on one rank: seconds per round trip with each partner (over the side group)."""
 
     request_id: int
@@ -120,7 +120,7 @@ class LinkRecord(msgspec.Struct, array_like=True):
     seconds: dict[int, float]  # partner rank -> best exchange time
 
 
-class RankState(msgspec.Struct, array_like=True):
+class RankState(msgspec.Struct, array_like=True, gc=False):
     rank: int
     local_rank: int
     world_size: int
@@ -159,7 +159,7 @@ class Hello(msgspec.Struct, tag=True):
     agent_pid: int
 
 
-class GroupInfo(msgspec.Struct, array_like=True):
+class GroupInfo(msgspec.Struct, array_like=True, gc=False):
     """A process group's members, sent once per agent (and again if they change or the coordinator asks)."""
 
     name: str
