@@ -16,6 +16,7 @@ from trainscout.probe import protocol
 from trainscout.wire.messages import (
     CollectiveRecord,
     NonFiniteEvent,
+    NodeDigest,
     PgState,
     RankExit,
     RankState,
@@ -565,6 +566,8 @@ def test_nonfinite_origin_unsettled_at_the_end_of_the_job_is_decided_then():
     ranks[2] = obs(2, [pg(1)], step=12, nonfinite=[NonFiniteEvent(step=13, what="grad 0.weight")])
     det = NonFiniteDetector(wait_s=3.0)
     view = JobView(now=0.0, ranks=ranks, seen=ranks, live=set(WORLD), members={}, classes={})
+    assert det.judge(view).findings == [] and det.close().findings == []  # no digest brought an event yet
+    det.observe(NodeDigest(node_id="n", host="h", number=1, ranks=[o.state for o in ranks.values()]), 0.0)
     assert det.judge(view).findings == []
     (f,) = det.close().findings
     assert (f.kind, f.culprit_ranks, f.step, f.status) == ("nonfinite", [2], 13, "attributed")

@@ -8,10 +8,15 @@ passed the origin step with finite values, the origin is named.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.detectors.observations import RankObs, rank_list
 from trainscout.findings import NONFINITE, Finding
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import NodeDigest
 
 
 class NonFiniteDetector(DetectorBase):
@@ -21,18 +26,24 @@ class NonFiniteDetector(DetectorBase):
         self.wait_s = wait_s
         self.first_seen: float | None = None
         self.done = False
-        self._ranks: dict[int, RankObs] = {}
+        self._ranks: Mapping[int, RankObs] = {}
+        self._reported = False  # some rank's digest carried a non-finite event (until then a pass walks nothing)
+
+    def observe(self, digest: NodeDigest, now: float) -> None:
+        self._reported = self._reported or any(st.nonfinite for st in digest.ranks)
 
     def judge(self, view: JobView) -> Judgement:
-        self._ranks = dict(view.ranks)
+        self._ranks = view.ranks
+        if not self._reported:
+            return Judgement()  # a walk over every rank each pass: tens of ms at 100k ranks, for nothing
         return findings_only(self.update(view.waited_until, self._ranks))
 
     def close(self) -> Judgement:
         """The job ended: nothing more will come to settle the origin (peers held at its step by a loss scaler
         that skips every step never pass it), so decide on what was reported."""
-        return findings_only(self.update(math.inf, self._ranks) if self.first_seen is not None else [])
+        return findings_only(self.update(math.inf, self._ranks) if self._reported else [])
 
-    def update(self, now: float, ranks: dict[int, RankObs]) -> list[Finding]:
+    def update(self, now: float, ranks: Mapping[int, RankObs]) -> list[Finding]:
         if self.done:
             return []
         first: dict[int, tuple[int, str]] = {}
