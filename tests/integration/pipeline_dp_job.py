@@ -1,9 +1,10 @@
 """A pipeline of two stages replicated three times (6 ranks): torch.distributed.pipelining's GPipe schedule over
 each pipeline's pair of ranks (isend / irecv, waited on their handles), DDP (or FSDP2, as torchtitan does) over
-each stage's replicas. Rank r is stage r % 2 of pipeline replica r // 2. The job may slow one rank itself,
-outside trainscout:
+each stage's replicas. Rank r is stage r % 2 of pipeline replica r // 2. The job may slow one rank itself, or
+make it compute wrong, outside trainscout:
 
     python pipeline_dp_job.py --steps N [--fsdp] [--slow RANK:FROM_STEP:MS]   (MS ms a step in its forward)
+                                             [--flip RANK:FROM_STEP]      (its stage's first layer's output negated)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over each stage's replicas instead of DDP")
     p.add_argument("--slow", default="", help="RANK:FROM_STEP:MS")
+    p.add_argument("--flip", default="", help="RANK:FROM_STEP")
     args = p.parse_args()
     slow = [int(x) for x in args.slow.split(":")] if args.slow else None
     dist.init_process_group("gloo")
@@ -44,6 +46,9 @@ def main() -> None:
                 time.sleep(slow[2] / 1000 / MICRO)  # per micro-batch: MS a step in all
 
         module[0].register_forward_pre_hook(sleep)
+    flip = [int(x) for x in args.flip.split(":")] if args.flip else None
+    if flip is not None and rank == flip[0]:
+        module[0].register_forward_hook(lambda mod, inputs, out: -out if now[0] >= flip[1] else out)
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
 

@@ -668,3 +668,18 @@ def test_data_loading_stall_is_named_as_such():
     _steps(det, 1, 30, lambda r, s: 0.03, data_of=lambda r, s: 0.2 if r == 3 and s > 5 else 0.001)
     (f,) = det.update(1.0, set(WORLD))
     assert (f.culprit_ranks, f.evidence["type"]) == ([3], "data_loading")
+
+
+def test_replays_are_compared_within_each_replica_class():
+    # two pipeline stages, each replicated 3 times, both with a layer "0" of their own: stage 1's rank 3 deviates
+    det = ReplayDetector()
+    stages = {"stage0": [0, 2, 4], "stage1": [1, 3, 5]}
+    for cls, ranks in stages.items():
+        for r in ranks:
+            out = 10 if cls == "stage0" else (21 if r == 3 else 20)
+            det.add(r, [ReplayRecord(step=10, layer="0", output=out, grads=1)], 0.0, cls)
+    (f,) = det.update(1.0, stages)
+    assert (f.kind, f.culprit_ranks, f.status) == ("sdc", [3], "attributed")
+    assert det.outcomes[(10, "0")] == ("attributed", [3])
+    det.add(0, [ReplayRecord(step=20, layer="0", output=10, grads=1)], 1.0, "stage0")
+    assert det.update(2.0, stages) == [] and (20, "0") not in det.outcomes  # waits for the class's other members

@@ -121,3 +121,18 @@ def test_a_child_compiled_in_place_stays_one_layer_of_the_rotation():
     encoder = _encoder()
     encoder.compile()
     assert _rotation(_module(encoder=encoder, head=nn.Linear(4, 8))) == ["encoder", "head"]
+
+
+def test_the_tap_refuses_the_jobs_collectives_while_replay_recomputes():
+    """A stage's replicas replay alone: a layer calling a collective there would wait for ranks not replaying."""
+    from trainscout.probe.collectives import CollectiveRefused, CollectiveTap
+
+    tap = CollectiveTap(lambda: 0)
+    calls = []
+    all_reduce = tap._wrap("all_reduce", lambda *a, **k: calls.append(a))
+    with tap.refusing():
+        with pytest.raises(CollectiveRefused):
+            all_reduce("tensor")
+    assert calls == []
+    all_reduce("tensor")  # outside the replay, as before
+    assert calls == [("tensor",)]

@@ -411,9 +411,10 @@ class Coordinator:
             self._start_fetch(ask, now)
         elif isinstance(ask, Confirm):
             s = ask.suspect
-            # what the probes can replay, as the rotation orders it
-            self.confirmations.replay_layers = next(
-                (list(o.state.replay_layers) for o in self.ranks.values() if o.state.replay_layers), []
+            # what the probes can replay, as the rotation orders it: every class's (a pipeline's stages replay
+            # their own layers; each rank replays those of the list it has)
+            self.confirmations.replay_layers = list(
+                dict.fromkeys(name for o in self.ranks.values() for name in o.state.replay_layers)
             )
             self.events.write(
                 "numeric_suspect",

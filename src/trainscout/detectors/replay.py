@@ -9,6 +9,8 @@ device's arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from trainscout.consensus import vote_exact
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, findings_only
 from trainscout.findings import HEALTH, SDC, Finding
@@ -19,6 +21,7 @@ if TYPE_CHECKING:  # types only: detectors take plain records and import no wire
 
 
 SKIPPED = "skipped"  # a confirmation's layer that no replica could replay (all-zero records)
+_TELLING = (SKIPPED, "agree", "attributed", "inconclusive")
 KEEP_OUTCOMES = 1024  # the latest replays' outcomes, (step, layer) -> (status, outliers)
 
 
@@ -27,7 +30,7 @@ class ReplayDetector(DetectorBase):
 
     def __init__(self, wait_s: float = 5.0) -> None:
         self.wait_s = wait_s
-        self._pending: dict[tuple[int, str], dict] = {}
+        self._pending: dict[tuple[int, str, str], dict] = {}  # (step, layer, replica class) -> its records
         self._deviations: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps it deviated
         self.replays_compared = 0
         self.clean_layers: set[str] = set()
@@ -36,43 +39,55 @@ class ReplayDetector(DetectorBase):
     def observe(self, digest: NodeDigest, now: float) -> None:
         for st in digest.ranks:
             if st.replays:
-                self.add(st.rank, st.replays, now)
+                self.add(st.rank, st.replays, now, st.replica_group or "")
 
     def judge(self, view: JobView) -> Judgement:
-        return findings_only(self.update(view.waited_until, view.replicas))
+        return findings_only(self.update(view.waited_until, view.classes))
 
     def close(self) -> Judgement:
         return Judgement(counters={"replays_compared": self.replays_compared})
 
-    def add(self, rank: int, records: list[ReplayRecord], now: float) -> None:
+    def add(self, rank: int, records: list[ReplayRecord], now: float, cls: str = "") -> None:
+        """`cls`: the rank's replica class; a class replays its own layers (a pipeline stage's replicas theirs)."""
         for rec in records:
-            entry = self._pending.setdefault((rec.step, rec.layer), {"ranks": {}, "t": now})
+            entry = self._pending.setdefault((rec.step, rec.layer, cls), {"ranks": {}, "t": now})
             entry["ranks"][rank] = (rec.output, rec.grads)
             entry.setdefault("params", {})[rank] = rec.params
 
-    def update(self, now: float, replicas: list[int]) -> list[Finding]:
+    def update(self, now: float, replicas: Sequence[int] | Mapping[str, Sequence[int]]) -> list[Finding]:
+        """Compare each replay once every replica reported it (or wait_s passed). `replicas`: each replica
+        class's live ranks (a class's records are compared among its members only: two pipeline stages may
+        both have a layer "0"), or one list of ranks for records of any class."""
         findings: list[Finding] = []
         for key in sorted(self._pending):
-            step, layer = key
+            step, layer, cls = key
             entry = self._pending[key]
-            if not all(r in entry["ranks"] for r in replicas) and now - entry["t"] < self.wait_s:
+            members = replicas.get(cls) if isinstance(replicas, Mapping) else replicas
+            if (members is None or not all(r in entry["ranks"] for r in members)) and now - entry["t"] < self.wait_s:
                 continue
             del self._pending[key]
             if all(v == (0, 0) for v in entry["ranks"].values()) and not any(entry.get("params", {}).values()):
-                self.outcomes[key] = (SKIPPED, [])  # no replica had the layer's input: nothing compared
+                self.outcomes.setdefault((step, layer), (SKIPPED, []))  # no replica had the input: nothing compared
                 continue
             if len(entry["ranks"]) < 2:
                 continue
             self.replays_compared += 1
             verdict = vote_exact(entry["ranks"])
-            self.outcomes[key] = (verdict.status, list(verdict.outliers))
-            if len(self.outcomes) > KEEP_OUTCOMES:  # a confirmation reads the one it scheduled, seconds later
-                del self.outcomes[next(iter(self.outcomes))]
+            self._note_outcome(step, layer, verdict.status, verdict.outliers)
             if verdict.status == "agree":
                 self.clean_layers.add(layer)
                 continue
             findings.extend(self._judge(verdict, entry["ranks"], entry.get("params", {}), step, layer))
         return findings
+
+    def _note_outcome(self, step: int, layer: str, status: str, outliers) -> None:
+        """What a confirmation reads of (step, layer), over every class that replayed it: the most telling
+        status (inconclusive over attributed over agree) and every class's outliers."""
+        before_status, before_outliers = self.outcomes.pop((step, layer), (SKIPPED, []))
+        rank = max(_TELLING.index(before_status), _TELLING.index(status))
+        self.outcomes[(step, layer)] = (_TELLING[rank], sorted({*before_outliers, *outliers}))
+        if len(self.outcomes) > KEEP_OUTCOMES:  # a confirmation reads the one it scheduled, seconds later
+            del self.outcomes[next(iter(self.outcomes))]
 
     def _judge(self, verdict, results, params, step: int, layer: str) -> list[Finding]:
         evidence = {

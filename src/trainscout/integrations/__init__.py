@@ -69,10 +69,10 @@ def install_in_probe(probe) -> None:
 
 
 def _side_groups(probe) -> list:
-    """Groups the probe or the fault injector created beside the job's own (replay, pg desync)."""
+    """Groups the probe or the fault injector created beside the job's own (replay, link probes, pg desync)."""
     found = [
         getattr(probe, "_side_group", None),
-        getattr(probe, "_replay_group", None),
+        *getattr(probe, "_replica_groups", {}).values(),  # replay's, over each stage's replicas
         getattr(getattr(probe, "injector", None), "_side_group", None),
     ]
     return [g for g in found if g is not None and hasattr(g, "group_name")]

@@ -53,6 +53,10 @@ _SYNC_RECORDED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tens
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
+class CollectiveRefused(RuntimeError):
+    """A collective of the job's called where the probe forbids one (Tap.refusing)."""
+
+
 class CollectiveTap:
     def __init__(
         self,
@@ -167,6 +171,7 @@ class CollectiveTap:
             # inner: torch's send is its isend's wait, and that isend is wrapped too (counted once, outside)
             if _compiling() or self._broken or self._in_p2p:
                 return fn(*args, **kwargs)
+            self._refuse_if_asked(fn.__name__)
             self._in_p2p = True
             timed = not self._enter()  # the probe's own (a link probe's): no wait, and no pipeline stage
             try:
@@ -202,6 +207,20 @@ class CollectiveTap:
 
         wrapper.__trainscout_wrapped__ = True  # type: ignore[attr-defined]
         return wrapper
+
+    @contextlib.contextmanager
+    def refusing(self):
+        """No collective of the job's may start here (this thread): a replay over a subset of the job's ranks
+        recomputes a layer that must not talk to ranks that are not replaying (see Replay.guard)."""
+        self._inside.refuse = True
+        try:
+            yield
+        finally:
+            self._inside.refuse = False
+
+    def _refuse_if_asked(self, name: str) -> None:
+        if getattr(self._inside, "refuse", False):
+            raise CollectiveRefused(f"{name} called while recomputing a layer for replay")
 
     @contextlib.contextmanager
     def untimed(self):
@@ -246,6 +265,7 @@ class CollectiveTap:
         def wrapper(*args, **kwargs):
             if _compiling():  # traced into a compiled graph: dynamo handles the real call, we record nothing
                 return fn(*args, **kwargs)
+            self._refuse_if_asked(name)
             t0 = time.perf_counter()
             call_name, call_fn = name, fn
             if self._injector is not None:
@@ -330,6 +350,7 @@ class CollectiveTap:
 
         @functools.wraps(fn)
         def _broadcast_coalesced(process_group, *args, **kwargs):
+            self._refuse_if_asked("_broadcast_coalesced")
             if _compiling() or self.on_wait is None:
                 return fn(process_group, *args, **kwargs)
             t0 = time.perf_counter()
@@ -361,6 +382,7 @@ class CollectiveTap:
 
         @functools.wraps(fn)
         def all_reduce(*args, **kwargs):
+            self._refuse_if_asked("functional all_reduce")
             if not self._functional_broken and not _compiling():
                 self._note_functional(sig, resolve, args, kwargs)
             return fn(*args, **kwargs)

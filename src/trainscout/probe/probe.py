@@ -153,6 +153,7 @@ class Probe:
             Replay(self.publisher.append_locked, every, rank, budget, report=self.report_error) if every > 0 else None
         )
         self._side_group = None  # gloo group over the world with a bounded timeout: replay, link probes
+        self._replica_groups: dict[tuple[int, ...], object] = {}  # replay's side groups over part of the job
         # Join contexts entered (uneven inputs): a rank out of data stops stepping and shadows its peers'
         # collectives, so work that every rank must do at the same step (replay, link probes) would wait for it
         self.joins = 0
@@ -514,15 +515,43 @@ class Probe:
             return
         import torch.distributed as dist
 
-        members = dist.get_process_group_ranks(ddp.process_group)
-        if sorted(members) != list(range(dist.get_world_size())):
-            self.replay = None  # the side group spans the world; replicas must too (pure data parallel)
-            return
+        members = sorted(dist.get_process_group_ranks(ddp.process_group))
+        group = self._side_group
+        if members != list(range(dist.get_world_size())):
+            group = self._replica_side_group(dist, members)
+            if group is None:
+                self.replay = None
+                return
+            self.replay.guard = self.tap.refusing
         broadcast = self.tap.originals.get("broadcast", dist.broadcast)  # unwrapped: no fault rewrites it
-        self.replay.attach(ddp.module, self._side_group, min(members), broadcast)
+        self.replay.attach(ddp.module, group, min(members), broadcast)
         self.replay.arm_if_due(self.step + 1)
         if self.state_check is not None:
             self.state_check.replay_layers = [name for name, _ in self.replay.layers]
+
+    def _replica_side_group(self, dist, members: list[int]):
+        """A side group over the replicas of a DDP that spans part of the job (each pipeline stage's replicas),
+        made by its members alone, or None where replay cannot run there: fewer than 3 replicas (no majority),
+        or a tensor-parallel rank, whose layers' forward talks to tensor-parallel peers that replay other
+        layers at other steps (and DTensor's collectives are issued where the tap cannot refuse them)."""
+        if len(members) < 3 or self.publisher is None or self.publisher.has_role("tensor"):
+            return None
+        group = self._replica_groups.get(tuple(members))
+        if group is None:
+            import datetime
+
+            try:
+                group = dist.new_group(
+                    members,
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=60),
+                    use_local_synchronization=True,  # only the members call it: other stages make their own
+                )
+            except Exception as exc:
+                self.report_error(f"replay disabled (no side group over the replicas): {exc!r}")
+                return None
+            self._replica_groups[tuple(members)] = group
+        return group  # marked the probe's own, not the job's (trainscout.integrations._side_groups)
 
     def _hook_optimizer(self, module) -> None:
         try:

@@ -264,6 +264,10 @@ class Publisher(threading.Thread):
         declared = self._roles.get(pg_name)
         return declared["role"] if declared else None
 
+    def has_role(self, role: str) -> bool:
+        """Whether an integration declared a group of this rank's for that role."""
+        return any(d["role"] == role for d in list(self._roles.values()))
+
     def _index_of(self, pg_name: str) -> int:
         idx = self._pg_index.get(pg_name)
         if idx is None:

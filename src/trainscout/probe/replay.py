@@ -26,6 +26,7 @@ budget (checks.replay.budget = 0, TRAINSCOUT_REPLAY_BUDGET=0) replays are at exa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -82,6 +83,10 @@ class Replay:
         self._broadcast: Callable | None = None
         self._next_index = 0
         self._failed: set[str] = set()  # layers whose recomputation raised: left out, on every replica alike
+        # around each recomputation: where the replicas are a subset of the job (a pipeline stage's), the
+        # probe's collective tap refuses the job's collectives there, so a layer that calls one raises on
+        # every replica alike and is left out instead of waiting for ranks that are not replaying
+        self.guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def costs(self) -> dict:
         return {
@@ -246,7 +251,8 @@ class Replay:
         out of replay, the others go on. The source then sends no input for it, so every replica skips it."""
         buffers = self._exchange_buffers(layer)
         try:
-            return self._recompute(layer, x, step, buffers)
+            with self.guard():
+                return self._recompute(layer, x, step, buffers)
         except Exception as exc:
             self._failed.add(name)
             if self.report is not None:
