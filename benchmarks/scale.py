@@ -576,6 +576,7 @@ def serve_coordinator(args: argparse.Namespace) -> int:
         handle_s[1] += 1
 
     gc_s = [0.0, 0.0, 0.0]  # seconds in garbage collection, per generation
+    gc_freed: list[int] = []  # unreachable objects each collection found
     gc_start = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -583,6 +584,7 @@ def serve_coordinator(args: argparse.Namespace) -> int:
             gc_start[0] = time.perf_counter()
         else:
             gc_s[info["generation"]] += time.perf_counter() - gc_start[0]
+            gc_freed.append(info.get("collected", 0))
 
     gc.callbacks.append(on_gc)
     coord.detect = timed_detect  # type: ignore[method-assign]
@@ -603,7 +605,15 @@ def serve_coordinator(args: argparse.Namespace) -> int:
         if handle_profile is not None:
             handle_profile.dump_stats(str(run_dir / "handle.prof"))
         (run_dir / "passes.json").write_text(
-            json.dumps({"passes": passes, "handle_cpu_s": handle_s[0], "messages": handle_s[1], "gc_s": gc_s})
+            json.dumps(
+                {
+                    "passes": passes,
+                    "handle_cpu_s": handle_s[0],
+                    "messages": handle_s[1],
+                    "gc_s": gc_s,
+                    "gc_freed": gc_freed,
+                }
+            )
         )
     return 0
 
@@ -720,6 +730,7 @@ def run_once(args: argparse.Namespace) -> dict:
         "handle_cpu_ms_per_digest": 1e3 * timing["handle_cpu_s"] / max(1, timing["messages"]),
         # the coordinator's seconds in garbage collection per second of the run, young and full collections
         "gc_s_per_s": [round(g / max(1e-9, cpu_end[0] - t0), 4) for g in timing.get("gc_s", [])],
+        "gc_freed": timing.get("gc_freed", [])[-20:],  # what the last collections found unreachable
         "digest_bytes_per_node_s": sum(s["bytes"] for s in sims)
         / max(1, sum(s["digests"] for s in sims))
         / args.interval,

@@ -102,6 +102,7 @@ REPLAY_REQUEST = "replay-request"  # file in the run dir that `trainscout replay
 REPLAY_LEAD_S = 5.0  # how far ahead an on-command replay is scheduled, in seconds of training
 REPLAY_LEAD_STEPS = 10
 STALL_S = 5.0  # a gap this long between detection passes is a monitoring gap (the coordinator did not run)
+COLLECTED_NOTE = 10_000  # a full collection that freed more objects than this is noted in events.jsonl (cycles pile up)
 
 
 class Coordinator:
@@ -932,8 +933,8 @@ class Coordinator:
                 self.detect(now)
                 last_pass_s = time.monotonic() - now
                 took = collection.maybe_full(time.monotonic())  # between passes, rarely (see collection.py)
-                if took > 1.0:
-                    self.events.write("coordinator_collected", seconds=round(took, 2))
+                if took > 1.0 or collection.found > COLLECTED_NOTE:
+                    self.events.write("coordinator_collected", seconds=round(took, 2), freed=collection.found)
                 # from the pass's end: a pass that takes long (a large job) must leave time for the digests,
                 # or passes run back to back with one digest handled between them
                 last_detect = time.monotonic()
