@@ -1022,10 +1022,8 @@ def main(argv: list[str] | None = None) -> int:
         _log.warning("setting ignored: %s", problem)
     secret = bytes.fromhex(os.environ["TRAINSCOUT_SECRET"])
     endpoint = CoordinatorEndpoint(args.bind, secret)
-    settings = config.from_environ()[0]
     rich = {"auto": None, "rich": True, "plain": False}[args.console]
     console = ConsoleSink(sys.stdout, rich=rich)
-    settings = config.from_environ()[0]
     coord = Coordinator(
         endpoint,
         args.run_dir,
