@@ -31,6 +31,8 @@ def test_a_first_stage_computing_wrong_is_named_by_its_stages_replay(jobs, tmp_p
     result = stop_once_found(job, lambda found: any(f["kind"] == "sdc" for f in found), timeout=240)
 
     assert result.returncode in (0, STOPPED), result.describe()
-    named = [(f["kind"], f["culprit_ranks"], f["evidence"].get("check")) for f in result.findings]
-    assert named and all(n == ("sdc", [2], "replay") for n in named), result.describe()
-    assert result.findings[0]["step"] >= 30, result.describe()
+    named = [(f["kind"], f["culprit_ranks"]) for f in result.findings]
+    # its replay deviates (sdc), and again at the next replay of that layer (a faulty device: health)
+    assert named and all(n in (("sdc", [2]), ("health", [2])) for n in named), result.describe()
+    first = result.findings[0]
+    assert (first["kind"], first["evidence"]["check"]) == ("sdc", "replay") and first["step"] >= 30, result.describe()

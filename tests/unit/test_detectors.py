@@ -672,14 +672,19 @@ def test_data_loading_stall_is_named_as_such():
 
 def test_replays_are_compared_within_each_replica_class():
     # two pipeline stages, each replicated 3 times, both with a layer "0" of their own: stage 1's rank 3 deviates
+    # (each stage's replicas recompute the input of their lowest rank, which the records name as their source)
     det = ReplayDetector()
     stages = {"stage0": [0, 2, 4], "stage1": [1, 3, 5]}
     for cls, ranks in stages.items():
         for r in ranks:
             out = 10 if cls == "stage0" else (21 if r == 3 else 20)
-            det.add(r, [ReplayRecord(step=10, layer="0", output=out, grads=1)], 0.0, cls)
+            det.add(r, [ReplayRecord(step=10, layer="0", output=out, grads=1, source=min(ranks))], 0.0)
     (f,) = det.update(1.0, stages)
     assert (f.kind, f.culprit_ranks, f.status) == ("sdc", [3], "attributed")
     assert det.outcomes[(10, "0")] == ("attributed", [3])
-    det.add(0, [ReplayRecord(step=20, layer="0", output=10, grads=1)], 1.0, "stage0")
+    det.add(0, [ReplayRecord(step=20, layer="0", output=10, grads=1, source=0)], 1.0)
     assert det.update(2.0, stages) == [] and (20, "0") not in det.outcomes  # waits for the class's other members
+    # before the coordinator knows the classes, each group's records are still compared only among themselves
+    for r in (0, 1, 2, 3, 4, 5):
+        det.add(r, [ReplayRecord(step=30, layer="0", output=10 if r % 2 == 0 else 20, grads=1, source=r % 2)], 3.0)
+    assert det.update(3.0 + det.wait_s, {}) == [] and det.outcomes[(30, "0")] == ("agree", [])

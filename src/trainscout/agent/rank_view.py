@@ -239,7 +239,8 @@ class RankView:
             self._ingest_evidence(rec)
             return
         if idx == REPLAY_PG_INDEX:
-            layer, _, params = rec.desc.decode(errors="replace").partition("|")
+            layer, _, rest = rec.desc.decode(errors="replace").partition("|")
+            params, _, source = rest.partition("|")
             self._replays_out.append(
                 ReplayRecord(
                     step=rec.step,
@@ -247,6 +248,7 @@ class RankView:
                     output=rec.entry_hash,
                     grads=rec.rolling_hash,
                     params=_int64(int(params or "0", 16)),
+                    source=int(source) if source.isdigit() else -1,
                 )
             )
             return

@@ -30,7 +30,7 @@ class ReplayDetector(DetectorBase):
 
     def __init__(self, wait_s: float = 5.0) -> None:
         self.wait_s = wait_s
-        self._pending: dict[tuple[int, str, str], dict] = {}  # (step, layer, replica class) -> its records
+        self._pending: dict[tuple[int, str, int], dict] = {}  # (step, layer, source rank) -> its records
         self._deviations: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps it deviated
         self.replays_compared = 0
         self.clean_layers: set[str] = set()
@@ -39,7 +39,7 @@ class ReplayDetector(DetectorBase):
     def observe(self, digest: NodeDigest, now: float) -> None:
         for st in digest.ranks:
             if st.replays:
-                self.add(st.rank, st.replays, now, st.replica_group or "")
+                self.add(st.rank, st.replays, now)
 
     def judge(self, view: JobView) -> Judgement:
         return findings_only(self.update(view.waited_until, view.classes))
@@ -47,22 +47,26 @@ class ReplayDetector(DetectorBase):
     def close(self) -> Judgement:
         return Judgement(counters={"replays_compared": self.replays_compared})
 
-    def add(self, rank: int, records: list[ReplayRecord], now: float, cls: str = "") -> None:
-        """`cls`: the rank's replica class; a class replays its own layers (a pipeline stage's replicas theirs)."""
+    def add(self, rank: int, records: list[ReplayRecord], now: float) -> None:
+        """Records are grouped by the rank whose input was recomputed (`source`): one per group of replicas, as
+        a pipeline stage's replicas replay their own layers, which another stage may name alike."""
         for rec in records:
-            entry = self._pending.setdefault((rec.step, rec.layer, cls), {"ranks": {}, "t": now})
+            entry = self._pending.setdefault((rec.step, rec.layer, rec.source), {"ranks": {}, "t": now})
             entry["ranks"][rank] = (rec.output, rec.grads)
             entry.setdefault("params", {})[rank] = rec.params
 
     def update(self, now: float, replicas: Sequence[int] | Mapping[str, Sequence[int]]) -> list[Finding]:
         """Compare each replay once every replica reported it (or wait_s passed). `replicas`: each replica
-        class's live ranks (a class's records are compared among its members only: two pipeline stages may
-        both have a layer "0"), or one list of ranks for records of any class."""
+        class's live ranks (a replay is awaited from the class of its source rank; before the classes are
+        known, for wait_s), or one list of ranks for every replay."""
         findings: list[Finding] = []
+        class_of: dict[int, Sequence[int]] = {}
+        if isinstance(replicas, Mapping):
+            class_of = {r: ranks for ranks in replicas.values() for r in ranks}
         for key in sorted(self._pending):
-            step, layer, cls = key
+            step, layer, source = key
             entry = self._pending[key]
-            members = replicas.get(cls) if isinstance(replicas, Mapping) else replicas
+            members = class_of.get(source) if isinstance(replicas, Mapping) else replicas
             if (members is None or not all(r in entry["ranks"] for r in members)) and now - entry["t"] < self.wait_s:
                 continue
             del self._pending[key]

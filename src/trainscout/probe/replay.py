@@ -191,7 +191,7 @@ class Replay:
                 # the source's header says so to every replica alike, so the confirmation waiting for this layer
                 # need not wait out its deadline (an expert the source's batch never routed a token to). A
                 # recomputation that raises on one replica says nothing of the others: no record, as before
-                self.append(REPLAY_PG_INDEX, step, 0, 0, time.time_ns(), step, "replay", f"{name}|")
+                self.append(REPLAY_PG_INDEX, step, 0, 0, time.time_ns(), step, "replay", f"{name}||{self.source}")
                 continue
             hashes = self._recompute_or_leave_out(name, layer, x, step)
             if hashes is None:
@@ -199,7 +199,14 @@ class Replay:
             out_hash, grad_hash, param_hash = hashes
             self.count += 1
             self.append(
-                REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
+                REPLAY_PG_INDEX,
+                step,
+                out_hash,
+                grad_hash,
+                time.time_ns(),
+                step,
+                "replay",
+                f"{name}|{param_hash:016x}|{self.source}",
             )
         self._captured = {}
         self.spent_s += time.perf_counter() - t0
@@ -239,7 +246,14 @@ class Replay:
             self.count += 1
             # the parameters' fingerprint tells a wrong computation from corrupted weights
             self.append(
-                REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{param_hash:016x}"
+                REPLAY_PG_INDEX,
+                step,
+                out_hash,
+                grad_hash,
+                time.time_ns(),
+                step,
+                "replay",
+                f"{name}|{param_hash:016x}|{self.source}",
             )
         self._last_s = time.perf_counter() - t0
         self.spent_s += self._last_s

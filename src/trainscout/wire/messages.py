@@ -76,6 +76,9 @@ class ReplayRecord(msgspec.Struct, array_like=True, gc=False):
     output: int  # fingerprint of the layer's output
     grads: int  # combined fingerprint of input and parameter gradients
     params: int = 0  # combined fingerprint of the layer's parameters (equal on healthy replicas)
+    # the global rank whose input the replicas recomputed: one per group of replicas (the whole job's DDP, or
+    # each pipeline stage's), so records of different groups are never compared (-1: not sent)
+    source: int = -1
 
 
 # re-exported: a CUDA step whose GPU span was not read (StepRecord.gpu_s / gpu_wait_s)
