@@ -191,23 +191,14 @@ class Replay:
                 # the source's header says so to every replica alike, so the confirmation waiting for this layer
                 # need not wait out its deadline (an expert the source's batch never routed a token to). A
                 # recomputation that raises on one replica says nothing of the others: no record, as before
-                self.append(REPLAY_PG_INDEX, step, 0, 0, time.time_ns(), step, "replay", f"{name}||{self.source}")
+                self._record(step, name, 0, 0, "")
                 continue
             hashes = self._recompute_or_leave_out(name, layer, x, step)
             if hashes is None:
                 continue
             out_hash, grad_hash, param_hash = hashes
             self.count += 1
-            self.append(
-                REPLAY_PG_INDEX,
-                step,
-                out_hash,
-                grad_hash,
-                time.time_ns(),
-                step,
-                "replay",
-                f"{name}|{param_hash:016x}|{self.source}",
-            )
+            self._record(step, name, out_hash, grad_hash, f"{param_hash:016x}")
         self._captured = {}
         self.spent_s += time.perf_counter() - t0
 
@@ -245,19 +236,17 @@ class Replay:
             out_hash, grad_hash, param_hash = hashes
             self.count += 1
             # the parameters' fingerprint tells a wrong computation from corrupted weights
-            self.append(
-                REPLAY_PG_INDEX,
-                step,
-                out_hash,
-                grad_hash,
-                time.time_ns(),
-                step,
-                "replay",
-                f"{name}|{param_hash:016x}|{self.source}",
-            )
+            self._record(step, name, out_hash, grad_hash, f"{param_hash:016x}")
         self._last_s = time.perf_counter() - t0
         self.spent_s += self._last_s
         del torch
+
+    def _record(self, step: int, name: str, out_hash: int, grad_hash: int, params: str) -> None:
+        """A replay's record: its fingerprints, and in its text the layer, the parameters' fingerprint ("": no
+        input was replayed) and the source rank, which names the group of replicas it is compared within."""
+        self.append(
+            REPLAY_PG_INDEX, step, out_hash, grad_hash, time.time_ns(), step, "replay", f"{name}|{params}|{self.source}"
+        )
 
     def _recompute_or_leave_out(self, name: str, layer, x, step: int) -> tuple[int, int, int] | None:
         """The layer's fingerprints, or None where recomputing it raised: a layer whose call cannot be redone
