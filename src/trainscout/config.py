@@ -209,7 +209,9 @@ class NonFiniteCheck:
         "TRAINSCOUT_NONFINITE_BUDGET",
         low=0,
         low_open=True,
-        doc="with per-step evidence off: share of step time the CPU gradient test may take (>= 1: every step)",
+        doc="share of step time the gradient test may take: on CUDA, with 256 MiB of gradients or more, large "
+        "gradients are read in a sample of 1 sector in up to 64 when a whole read would take more; on CPU "
+        "with per-step evidence off, it runs every `stride` steps (>= 1: every element, every step)",
     )
 
 

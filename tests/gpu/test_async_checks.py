@@ -185,6 +185,92 @@ def test_nonfinite_kernel_counts_and_sums_squares_of_each_tensor_and_reads_the_l
             assert list(got[layout.n_values :]) == [-7.0, -7.0]
 
 
+def test_nonfinite_kernel_at_a_sample_rate_reads_the_groups_of_its_phase_on_raw_launches_too(gen, cuda):
+    import numpy as np
+
+    from trainscout.probe import nonfinite_cuda as nc
+
+    tensors = [
+        torch.tensor(1.5, device=cuda),
+        torch.randn(3 * nc.CHUNK + 77, generator=gen, device=cuda),  # four items, the last ragged and sampled
+        torch.randn(nc.CHUNK + 16, generator=gen, device=cuda).to(torch.bfloat16),  # a sampled item, a small one
+        torch.randn(300, generator=gen, device=cuda),  # small: always read whole
+    ]
+    tensors[1][5 * 8 + 1] = float("nan")  # in group 5 (8 fp32 a group)
+    tensors[1][3 * nc.CHUNK + 70] = float("inf")  # in the ragged tail: group 9 of its item
+    layout = nc.Layout(tensors)
+    slot = types.SimpleNamespace(aux=None)
+    n = layout.n_out
+    out = torch.zeros(layout.n_values, device=cuda)
+    for sample, phase in [(8, 5), (8, 5), (4, 1), (64, 9), (2, 0)]:
+        nc.enqueue(layout, [t.data_ptr() for t in tensors], out, slot, sample, phase)
+        got = out.cpu().numpy().astype(np.float64)
+        for j in range(n):  # each item's reads, worked out element by element on the host
+            t = tensors[int(layout.owner[j])].reshape(-1)
+            first = (j - int(np.flatnonzero(layout.owner == layout.owner[j])[0])) * nc.CHUNK
+            item = t[first : first + nc.CHUNK]
+            k = sample if item.numel() >= nc.SAMPLE_MIN else 1
+            group = nc.SECTOR // t.element_size()
+            read = item[(torch.arange(item.numel(), device=cuda) // group) % k == phase % k]
+            assert got[j] == float((~torch.isfinite(read)).sum()), (sample, phase, j)
+            want = float(read.double().square().sum())
+            if np.isfinite(want):
+                assert abs(got[n + j] - want) <= 1e-5 * want, (sample, phase, j, got[n + j], want)
+            assert layout.read_share(sample, phase)[j] == read.numel() / item.numel()
+        assert got[2 * n] == 1.5
+
+
+def test_nonfinite_check_on_a_gpu_bound_step_samples_within_its_budget_and_its_norms_estimate_the_whole(cuda):
+    from trainscout.probe import nonfinite
+
+    evidence = []
+    ev = types.SimpleNamespace(
+        set_params=lambda names: None, emit_values=lambda step, loss, sumsq: evidence.append((step, list(sumsq)))
+    )
+    state = {"step": 0}
+    check = NonFiniteCheck(lambda *rec: None, lambda: state["step"], budget=1e-5, evidence=ev)
+    autograd = types.SimpleNamespace(backward=torch.autograd.backward)
+    check.patch_autograd(autograd)
+    w = torch.nn.Parameter(torch.randn(8192, 8192, device=cuda) * 0.01)  # 256 MiB of gradient: SAMPLE_FROM_BYTES
+    check.hook_params([w], {id(w): "w"})
+    x = torch.randn(2048, 8192, device=cuda)  # ms of backward on the GPU: it is busy when the check starts
+    grads = []
+    for step in range(1, 81):
+        loss = (torch.tanh(x @ w) ** 2).mean()
+        autograd.backward(loss)
+        grads.append(float(w.grad.double().square().sum()))  # the whole gradient's sum of squares, a sync
+        w.grad = None
+        state["step"] = step
+        check.check_step(0.01)  # a 10 ms step: a budget of 0.1 us a step, far below one whole read
+    check.flush(timeout_s=10)
+    assert check.sample == nonfinite.MAX_SAMPLE and check.gpu_timed >= 1
+    by_step = dict(evidence)
+    late = [s for s in range(60, 81) if s in by_step]
+    assert late  # sampled steps still give each step's evidence
+    for s in late:  # 1 sector in 64 of 67 M elements estimates the sum of squares within a few per cent
+        assert abs(by_step[s][0] - grads[s - 1]) <= 0.05 * grads[s - 1], (s, by_step[s][0], grads[s - 1])
+
+
+def test_nonfinite_check_reads_a_smaller_models_gradients_whole_whatever_the_budget(cuda):
+    from trainscout.probe import nonfinite
+
+    state = {"step": 0}
+    check = NonFiniteCheck(lambda *rec: None, lambda: state["step"], budget=1e-5)
+    autograd = types.SimpleNamespace(backward=torch.autograd.backward)
+    check.patch_autograd(autograd)
+    w = torch.nn.Parameter(torch.randn(4096, 4096, device=cuda) * 0.01)  # 64 MiB: under SAMPLE_FROM_BYTES
+    assert 4096 * 4096 * 4 < nonfinite.SAMPLE_FROM_BYTES
+    check.hook_params([w], {id(w): "w"})
+    x = torch.randn(4096, 4096, device=cuda)
+    for step in range(1, 41):
+        autograd.backward((torch.tanh(x @ w) ** 2).mean())
+        w.grad = None
+        state["step"] = step
+        check.check_step(0.01)
+    check.flush(timeout_s=10)
+    assert check.device_checks == 40 and check.sample == 1 and check.gpu_timed == check.gpu_idle == 0
+
+
 def test_gather_check_on_cuda_publishes_the_cpu_fingerprint_of_each_gathered_parameter(cuda, gen):
     from trainscout.probe.gather_check import GatherCheck
 

@@ -152,6 +152,49 @@ def test_judge_of_the_kernel_vector_reports_the_same_with_and_without_evidence()
     assert evidence.emitted[2][1] == -math.inf and math.isnan(evidence.emitted[2][2][1])
 
 
+def test_judge_of_a_sampled_read_scales_each_items_sum_of_squares_by_the_share_it_read():
+    import numpy as np
+
+    check, records, evidence = _check_with_evidence(["w", "b"])
+    owner = np.array([0, 1, 1, 2])  # w spans two items, one read at 1 in 8, one whole
+    share = np.array([1.0, 0.125, 1.0, 1.0])
+    check._judge((4, check._device_names, owner, share), _kernel_vector([0] * 4, [1.0, 2.0, 3.0, 5.0], 0.5))
+    assert records == [] and evidence.emitted == [(4, 0.5, [19.0, 5.0])]
+    check._judge((5, check._device_names, owner, share), _kernel_vector([0, 1, 0, 0], [1.0, math.nan, 3.0, 5.0], 0.5))
+    assert [(r[5], r[7]) for r in records] == [(5, "grad w")]  # a non-finite element in the sample names it
+
+
+class _Event:
+    """Stands in for a CUDA timing event (none on a CPU machine): passed or not, and a clock reading."""
+
+    def __init__(self, passed: bool, at_ms: float = 0.0) -> None:
+        self.passed, self.at_ms = passed, at_ms
+
+    def query(self) -> bool:
+        return self.passed
+
+    def elapsed_time(self, end) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_the_kernels_sample_rate_keeps_its_gpu_time_within_the_budget_and_ignores_idle_gpus():
+    check, _ = _check()  # budget 0.001 of the step
+    check._wall_s = 0.088  # a GPU-bound step of 88 ms whose whole read takes 0.4 ms: 4.5x the budget
+    for _ in range(3):
+        check._time_kernel(_Event(False, 0.0), _Event(True, 0.4 / check.sample), check.sample)
+        check._read_timer()
+    assert check.sample == 16  # 0.4 ms / 16 = 0.025 ms a step: within half the budget (0.044 ms)
+    assert check.gpu_timed == 3 and check.gpu_idle == 0
+    for _ in range(5):  # the GPU waits on the host (start event already passed): the read costs the step nothing
+        check._time_kernel(_Event(True, 0.0), _Event(True, 0.4), check.sample)
+        assert check._timer is None
+    assert check.sample == 1 and check.gpu_idle == 5
+    check.budget = 1.0  # a budget of 1 or more: every element, whatever it costs
+    check._time_kernel(_Event(False, 0.0), _Event(True, 40.0), 1)
+    check._read_timer()
+    assert check.sample == 1
+
+
 def test_evidence_from_device_vectors_follows_the_evidence_parameter_order_by_name():
     import numpy as np
 
@@ -229,24 +272,46 @@ def tensors_of(loss_dtype, loss_value, poison):
                randn(B + 1, torch.float64, 1e10),    # fp64: one full block and one element
                torch.randn(0),
                base[1:50],                           # not 16-byte aligned: offsets in elements
-               randn(5000, torch.float32, 1e12)]     # squares ~1e24: within float32's range
+               randn(5000, torch.float32, 1e12),     # squares ~1e24: within float32's range
+               randn(nc.SAMPLE_MIN + 5)]             # sampled at rates above 1, with a ragged tail
     spots = [(1, 4321, "nan"), (1, C + B + 2, "inf"), (1, 5, "-inf"), (2, 11, "nan"), (3, C + 16, "inf"),
-             (4, C - 1, "-inf"), (5, 0, "nan"), (7, 7, "-inf"), (0, 0, "inf")] if poison else []
+             (4, C - 1, "-inf"), (5, 0, "nan"), (7, 7, "-inf"), (0, 0, "inf"), (9, nc.SAMPLE_MIN + 4, "nan"),
+             (9, 8 * 13 + 2, "inf")] if poison else []
     for t, i, v in spots:
         tensors[t].view(-1)[i] = float(v)
     return tensors
 
-def check(tensors):
+def read_by(tensors, sample, phase):
+    # what a check at this sample rate reads of each tensor, worked out element by element: per item of
+    # CHUNK elements, 32-byte groups whose index is phase mod the rate (items under SAMPLE_MIN: all)
+    parts = []
+    for t in tensors:
+        flat, kept = t.reshape(-1), []
+        for first in range(0, flat.numel(), C):
+            item = flat[first:first + C]
+            k = sample if item.numel() >= nc.SAMPLE_MIN else 1
+            group = nc.SECTOR // t.element_size()
+            kept.append(item[(torch.arange(item.numel()) // group) % k == phase % k])
+        parts.append(torch.cat(kept) if kept else flat)
+    return parts
+
+def check(tensors, sample=1, phase=0):
     layout = nc.Layout(tensors)
     assert layout.has_value and layout.n_values == 2 * layout.n_out + 1
     out = torch.full((layout.n_values + 2,), -7.0)  # poisoned: every output must be written, nothing past them
-    nc.enqueue(layout, [t.data_ptr() for t in tensors], out, types.SimpleNamespace(aux=None))
+    nc.enqueue(layout, [t.data_ptr() for t in tensors], out, types.SimpleNamespace(aux=None), sample, phase)
     got = out.numpy().astype(np.float64)
     n = layout.n_out
     counts = np.bincount(layout.owner, weights=got[:n], minlength=len(tensors))
     sumsq = np.bincount(layout.owner, weights=got[n:2 * n], minlength=len(tensors))
-    want_counts = [float((~torch.isfinite(t)).sum()) for t in tensors]
-    want_sumsq = [float(t.double().square().sum()) for t in tensors]
+    read = read_by(tensors, sample, phase)
+    share = np.bincount(layout.owner, weights=layout.read_share(sample, phase) * layout.item_numel,
+                        minlength=len(tensors))
+    assert list(share) == [float(r.numel()) for r in read], (share, [r.numel() for r in read])
+    if sample > 1:
+        assert share[1] < tensors[1].numel() and share[9] < tensors[9].numel()  # the large items were sampled
+    want_counts = [float((~torch.isfinite(t)).sum()) for t in read]
+    want_sumsq = [float(t.double().square().sum()) for t in read]
     assert list(counts) == want_counts, (counts, want_counts)
     for i, (g, w) in enumerate(zip(sumsq, want_sumsq)):
         if np.isnan(w):
@@ -262,6 +327,8 @@ for loss_dtype, value, poison in [(torch.float32, -2.75, True), (torch.float32, 
                                   (torch.bfloat16, -1.5, False), (torch.float16, 0.0999, True),
                                   (torch.float64, -3.25, False)]:
     check(tensors_of(loss_dtype, value, poison))
+for sample, phase in [(2, 1), (8, 0), (8, 5), (64, 63)]:
+    check(tensors_of(torch.float32, 0.5, True), sample, phase)
 print("INTERPRETER OK")
 """
 

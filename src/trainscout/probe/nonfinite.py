@@ -33,6 +33,9 @@ gradient missing this step) the vector holds the loss and one fused L2 norm per 
 the host time on a small model. With `gradient_as_bucket_view=True` DDP all-reduces the gradients in
 place while backward still runs, so there each gradient's norm is enqueued in its own post-accumulate-grad
 hook instead, which runs before DDP marks the gradient ready. Records carry the step the values belong to.
+With SAMPLE_FROM_BYTES of gradients or more, the kernel's GPU time is measured now and then (two CUDA events)
+and kept within `budget` of the step by reading large items in a sample (`sample`, see _time_kernel and
+docs/gpu.md); their sums of squares are scaled by the share read.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ RESULTS_DEPTH = 32
 # (~40 us of host time a call on an H200 host), and a report 3 steps later names the same step.
 JUDGE_EVERY = 4
 MAX_STRIDE = 64  # the CPU gradient test runs at least every 64 steps, whatever it costs
+# The counting kernel's GPU time is measured on every TIME_EVERY-th check (two CUDA events), and reads 1 sector
+# in at most MAX_SAMPLE of each large gradient item whatever it costs (nonfinite_cuda.SAMPLE_MIN, Layout.read_share).
+TIME_EVERY = 8
+MAX_SAMPLE = 64
+# Gradients of fewer bytes in all are read whole every step whatever the budget: sampling pays off only where a
+# whole read takes a share of a GPU-bound step (0.9 ms for workload b's 2.4 GB on an H100), and a small model's
+# read, timed on a GPU that other processes share, would look longer than it is.
+SAMPLE_FROM_BYTES = 256 << 20
 
 
 class NonFiniteCheck:
@@ -121,6 +132,16 @@ class NonFiniteCheck:
         self._counts_ok = True  # False once the counting kernel failed: the foreach-norm path from then on
         self.counts_error = ""
         self.device_checks = 0  # vectors submitted
+        # The counting kernel reads large gradient items 1 sector in `sample` (a power of two) when reading
+        # every element would take more than `budget` of the step on the GPU (see _time_kernel)
+        self.sample = 1
+        # the kernel's GPU seconds per timed check, scaled to a whole read; their least is used, since time that
+        # other work took from the GPU between the two events only ever adds to them
+        self._gpu_costs: deque = deque(maxlen=5)
+        self._timer: tuple | None = None  # (start event, end event, sample) of a timed kernel in flight
+        self._timer_events: tuple | None = None
+        self.gpu_timed = 0  # kernels timed while the GPU was busy (their time is what a step pays)
+        self.gpu_idle = 0  # ... while it was idle (the kernel ran in the host's shadow: no cost to the step)
         self.spent_s = 0.0  # host time of the CUDA path (arm, end-of-backward launch, judging)
         self.setup_s = 0.0  # host time of end-of-backward calls that laid out or compiled: once, not per step
         self._charge = True  # False while the current call lays out or compiles
@@ -301,6 +322,7 @@ class NonFiniteCheck:
         if self._results is not None and self._judge_calls % JUDGE_EVERY == 0:
             t0 = time.perf_counter()
             try:
+                self._read_timer()
                 for payload, values in self._results.ready():
                     self._judge(payload, values)
             except Exception as exc:
@@ -326,6 +348,8 @@ class NonFiniteCheck:
             out.update(cpu_checks=self.cpu_checks, stride=self.stride)
         if self.evidence is not None:  # the same pass measures the loss and layer norms every step
             out.update(evidence_records=self.evidence.records, layers=len(self.evidence.layers))
+        if self.gpu_timed or self.gpu_idle:  # the counting kernel's budget: its rate and how it was timed
+            out.update(gpu_sample=self.sample, gpu_timed=self.gpu_timed, gpu_idle=self.gpu_idle)
         return out
 
     def flush(self, timeout_s: float = 1.0) -> None:
@@ -547,20 +571,74 @@ class NonFiniteCheck:
             slot = self._results.take(loss.device, layout.n_values)
             if slot is None:
                 return True  # the GPU is far behind: skip this check rather than wait
+            sample = self.sample
+            phase = step & (sample - 1)  # the same groups on every replica at a step (same rate)
+            timed = (
+                self._charge
+                and self.budget < 1
+                and self._timer is None
+                and self.device_checks % TIME_EVERY == 0
+                and layout.grad_bytes >= SAMPLE_FROM_BYTES
+            )
             try:
-                nonfinite_cuda.enqueue(layout, ptrs, slot.device, slot)
+                if timed:
+                    start, end = self._timer_pair()
+                    start.record()
+                nonfinite_cuda.enqueue(layout, ptrs, slot.device, slot, sample, phase)
+                if timed:
+                    end.record()
+                    self._time_kernel(start, end, sample)
             except Exception:
                 self._results.give_back(slot)
                 raise
             if nonfinite_cuda.kernels_compiled() != compiled:
                 self._charge = False
-            self._results.submit(slot, layout.n_values, (step, self._device_names, layout.owner))
+            share = layout.read_share(sample, phase) if sample > 1 else None
+            self._results.submit(slot, layout.n_values, (step, self._device_names, layout.owner, share))
             self.device_checks += 1
             return True
         except Exception as exc:  # the norm path still works: use it from now on
             self._counts_ok = False
             self.counts_error = repr(exc)[:200]
             return False
+
+    def _timer_pair(self) -> tuple:
+        if self._timer_events is None:
+            import torch
+
+            self._timer_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        return self._timer_events
+
+    def _time_kernel(self, start, end, sample: int) -> None:
+        """Keep a timed kernel's events for `_read_timer` when the GPU was still busy with earlier work at the
+        start event: then start to end is the kernel's own time, which a GPU-bound step pays. A start event
+        already passed means the GPU was idle, waiting on the host: start to end would time the host's launch,
+        and the kernel's read ran in the host's shadow at no cost to the step (counted as 0)."""
+        if start.query():
+            self.gpu_idle += 1
+            self._adapt_sample(0.0)
+        else:
+            self._timer = (start, end, sample)
+
+    def _read_timer(self) -> None:
+        """The timed kernel's GPU time once its end event completed; the sample rate follows it."""
+        timer = self._timer
+        if timer is None or not timer[1].query():
+            return
+        self._timer = None
+        start, end, sample = timer
+        self.gpu_timed += 1
+        self._adapt_sample(start.elapsed_time(end) / 1000.0 * sample)
+
+    def _adapt_sample(self, whole_read_s: float) -> None:
+        """The rate that keeps the kernel within half its budget of the step (probe/budget.py), from the
+        least of the last checks' GPU times scaled to a whole read; 1 at a budget of 1 or more."""
+        self._gpu_costs.append(whole_read_s)
+        if self.budget >= 1 or self._wall_s <= 0:
+            self.sample = 1
+            return
+        cost = min(self._gpu_costs)
+        self.sample = fit_stride(self.sample, cost, max(self.budget, 1e-6), self._wall_s, MAX_SAMPLE)
 
     def _grad_ptrs(self, layout) -> list[int] | None:
         """Every watched gradient's address, or None when one is missing, strided or resized this step (then
@@ -591,7 +669,9 @@ class NonFiniteCheck:
             n = owner.size
             counts = values[:n]
             if self.evidence is not None and values.size > 2 * n:
-                sumsq = np.bincount(owner, weights=values[n : 2 * n], minlength=len(names) + 1)  # float64
+                share = payload[3] if len(payload) > 3 else None  # what a sampled read covered of each item
+                read = values[n : 2 * n] if share is None else values[n : 2 * n] / share
+                sumsq = np.bincount(owner, weights=read, minlength=len(names) + 1)  # float64
                 self._emit_evidence(step, names, float(values[2 * n]), sumsq[1:])
             if not counts.any():  # the usual case: one reduction, nothing else
                 return
