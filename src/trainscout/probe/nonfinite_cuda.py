@@ -212,12 +212,22 @@ class Layout:
         self.owner = np.asarray(owners, dtype=np.int64)  # output position -> tensor index (0: the loss)
         self.item_numel = np.asarray(numels, dtype=np.int64)  # elements of each item
         self.item_group = np.asarray(group_sizes, dtype=np.int64)  # elements of each of its 32-byte groups
+        self._shares: dict[tuple[int, int], np.ndarray] = {}  # read_share's arrays, by (sample, phase)
 
     def read_share(self, sample: int, phase: int) -> np.ndarray:
         """Per item, the elements a check at this sample rate and phase reads over the item's elements (1.0
         for items read whole; as the kernel reads: whole groups with index = phase mod rate, and the ragged
         tail when its group is one of them). A sampled item's sum of squares over this share estimates the
         whole item's."""
+        key = (sample, phase)
+        share = self._shares.get(key)
+        if share is None:
+            if len(self._shares) >= 128:  # every phase of two rates: the rate settles, so this rarely clears
+                self._shares.clear()
+            share = self._shares[key] = self._read_share(sample, phase)
+        return share
+
+    def _read_share(self, sample: int, phase: int) -> np.ndarray:
         n, group = self.item_numel, self.item_group
         k = np.where(n >= SAMPLE_MIN, sample, 1)
         ph = phase & (k - 1)
