@@ -74,6 +74,7 @@ QUESTIONS: dict[str, dict[str, tuple[str, str]]] = {
         "host-costs": ("benchmarks.gpu.host_costs", "the non-finite check's host time per step, part by part"),
         "overlap": ("benchmarks.gpu.overlap", "design experiment: non-finite count at end of backward vs overlapped"),
         "bucket-norm": ("benchmarks.gpu.bucket_norm", "a gradient bucket's sampled norm: GPU time beside other reads"),
+        "sampled-read": ("benchmarks.gpu.sampled_read", "the non-finite counting kernel's GPU time per sample rate"),
         "hpz": ("benchmarks.gpu.hpz", "ZeRO++ hpZ race: reproduced, named, fixed, timed (2 GPUs)"),
     },
 }
