@@ -302,3 +302,38 @@ def test_a_recorded_clean_job_whose_ranks_spike_together_makes_no_period():
             det.add(r, [_record(step, wall, cpu, max(0.0, wall - cpu - off), 0.0)], 0.0)
         found += det.update(0.0, set(WORLD))
     assert found == []
+
+
+def _feed_freezes(frozen_ranks, seed=0):
+    """Every 40th step from step 100 the job stops for 1 s: rank 2 inside its compute (1 s off the CPU outside
+    collectives), the others inside the gradient sync (1 s more waiting); the ranks in `frozen_ranks` were
+    stopped whole (their probe threads woke late: `frozen_s`), the others were not."""
+    rng = random.Random(seed)
+    det, found = StragglerDetector(), []
+    for s in range(1, 400):
+        freeze = s >= 100 and (s - 100) % 40 == 0
+        wall = 0.040 + (1.0 if freeze else 0.0)
+        for r in WORLD:
+            cpu = 0.012 * (1 + rng.uniform(-0.1, 0.1))
+            runq = rng.uniform(0, 0.003)
+            wait = max(0.0, wall - cpu - runq - (1.0 if freeze and r == 2 else 0.0))
+            rec = StepRecord(step=s, wall_s=wall, cpu_s=cpu, data_s=0.0, ckpt_s=0.0, wait_s=wait, runq_s=runq)
+            if freeze and r in frozen_ranks:
+                rec.frozen_s = 0.9
+            det.add(r, [rec], 0.0)
+        found += det.update(0.0, set(WORLD))
+    return found, det
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_job_stopped_whole_now_and_then_names_no_rank_caught_inside_its_compute(seed):
+    found, det = _feed_freezes(frozen_ranks=WORLD, seed=seed)
+    assert found == [] and det.frozen_steps == list(range(100, 400, 40))  # those steps were left unjudged
+    # the same steps with no rank seen stopped: rank 2 is the one its peers waited for, every 40 steps
+    unseen, _ = _feed_freezes(frozen_ranks=(), seed=seed)
+    assert [(f.culprit_ranks, f.evidence["type"], f.evidence.get("period")) for f in unseen] == [([2], "blocked", 40)]
+
+
+def test_a_rank_stopped_alone_is_still_the_one_its_peers_wait_for():
+    found, _ = _feed_freezes(frozen_ranks=(2,))
+    assert [(f.culprit_ranks, f.evidence["type"], f.evidence.get("period")) for f in found] == [([2], "blocked", 40)]

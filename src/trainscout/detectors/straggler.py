@@ -116,6 +116,19 @@ STILL_SLOW_STEPS = 3  # a flagged rank must still be slow over its last few step
 SLOWEST_SHARE = 0.5  # ... and the slowest rank, clear of every other, in at least this share of the window's steps
 
 
+# A step in which a strict majority of its ranks were stopped whole (their probe threads woke this late: SIGSTOP
+# of the job's process tree, a suspended job, a paused VM) is not judged: the ranks stopped inside their compute
+# while the others had already entered the gradient sync look, to every rule, like the ranks their peers wait for
+# (a time-sliced benchmark freezing the job every ~40 steps named one such rank an intermittent straggler in 3 of
+# 8 clean runs). A rank stopped alone is not a job-wide freeze: its peers ran on, and it is judged as before.
+FROZEN_S = 0.1
+
+
+def frozen_together(recs: Mapping[int, StepRecord]) -> bool:
+    """Whether a strict majority of the step's ranks were stopped whole for FROZEN_S or more during it."""
+    return 2 * sum(1 for rec in recs.values() if rec.frozen_s >= FROZEN_S) > len(recs)
+
+
 class StragglerDetector(DetectorBase):
     name = "straggler"
 
@@ -164,6 +177,7 @@ class StragglerDetector(DetectorBase):
         self.one_class = False  # compare every rank given as one class (a pipeline stage's replicas)
         self.side_work = MainRankSideWork()  # rank 0's evaluation and logging between steps: observed, not named
         self.trace: deque = deque(maxlen=400)  # recent (step, metric, samples, outliers), for diagnosis
+        self.frozen_steps: list[int] = []  # steps left unjudged since the last pass: the job was stopped whole
 
     def observe(self, digest: NodeDigest, now: float) -> None:
         for st in digest.ranks:
@@ -180,6 +194,9 @@ class StragglerDetector(DetectorBase):
             )
         )
         out.events, self.side_work.observations = self.side_work.observations, []
+        if self.frozen_steps:
+            out.events.append(("job_frozen", {"steps": self.frozen_steps, "not_judged": "stragglers"}))
+            self.frozen_steps = []
         wanted = self.comm.take_request()
         if wanted is not None:
             pg, members, before_s, now_s = wanted
@@ -223,6 +240,9 @@ class StragglerDetector(DetectorBase):
             del self._pending[step]
             if step <= 1:
                 continue  # the first step carries start-up
+            if frozen_together(entry["ranks"]):
+                self.frozen_steps.append(step)
+                continue
             # pipeline stages (point-to-point calls in the step) do different work by design: a stage is compared
             # with the same stage of the other pipeline replicas only (its replica class)
             recs = entry["ranks"]

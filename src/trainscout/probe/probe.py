@@ -100,6 +100,7 @@ class Probe:
             on_device=self.publisher.set_device,
             other_thread_s=lambda: self.publisher.busy_now() if self.publisher is not None else 0.0,
         )
+        self.publisher.on_late = self.timing.note_frozen  # a stopped process: its steps say for how long
         # the tap reports to the step's timing (collective time is waiting, not compute)
         self.tap.on_wait = self.timing.add_wait
         self.tap.on_begin, self.tap.on_end = self.timing.collective_begin, self.timing.collective_end

@@ -38,6 +38,10 @@ MAX_DUMP_GAP_S = 2.0  # a Python call the wrappers could not describe (all_gathe
 DESCRIBE_EVERY_S = 10.0  # native collectives are described at least this often (one dump; their place is known)
 
 
+# A tick this late means the process did not run at all meanwhile (see run)
+FROZEN_MIN_S = 0.2
+
+
 class Publisher(threading.Thread):
     def __init__(
         self,
@@ -87,6 +91,8 @@ class Publisher(threading.Thread):
         self._mismatch = 0
         self._collectives_ok = True
         self.on_tick = on_tick  # extra work of the probe on this thread (e.g. reading requests)
+        # (due, woke) on perf_counter's clock when a tick came FROZEN_MIN_S or more late (the step timing's)
+        self.on_late: Callable[[float, float], None] | None = None
 
     name = "flight_recorder"  # its figures' key in the rank's cost report
 
@@ -96,8 +102,15 @@ class Publisher(threading.Thread):
 
     def run(self) -> None:
         w = self.writer
-        while not self.stop_event.wait(self.tick_s):
+        while True:
+            due = time.perf_counter() + self.tick_s
+            if self.stop_event.wait(self.tick_s):
+                break
             t0 = self._tick_began = time.perf_counter()
+            # Woken this late, the whole process was stopped (SIGSTOP, a suspended job, a paused VM) or starved:
+            # the training thread's own blocking (a sleep, I/O, a lock) releases the GIL and never delays this one
+            if t0 - due >= FROZEN_MIN_S and self.on_late is not None:
+                self.on_late(due, t0)
             self._tick(w)
             self._tick_began = None
             self.busy_s += time.perf_counter() - t0

@@ -104,6 +104,8 @@ class StepTiming:
         self._runq_waiting = 0.0  # run-queue delay inside this step's collective waits (part of the wait)
         self._runq_at_backward: float | None = None
         self.data_s = 0.0
+        self._frozen: list[tuple[float, float]] = []  # (from, to) perf_counter spans the process was stopped
+        self._frozen_lock = threading.Lock()
         self.data_workers_s = 0.0  # the part of data_s spent waiting for DataLoader worker processes
         self.ckpt_s = 0.0
         self.io_cpu_s = 0.0  # CPU spent inside data loading and checkpoint writes: not "compute"
@@ -237,6 +239,17 @@ class StepTiming:
             self.wait_s += seconds
         self.pg_wait[pg_name] = self.pg_wait.get(pg_name, 0.0) + seconds
 
+    def note_frozen(self, start: float, end: float) -> None:
+        """The probe thread woke at `end`, due at `start` (perf_counter): the process did not run in between."""
+        with self._frozen_lock:
+            self._frozen.append((start, end))
+
+    def _frozen_us(self, start: float, end: float) -> int:
+        """Microseconds of this step (start..end) the process was stopped; later spans stay for the next step."""
+        with self._frozen_lock:
+            spans, self._frozen = self._frozen, [s for s in self._frozen if s[1] > end]
+        return int(sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans) * 1e6)
+
     def after_step(self, step: int) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
         self._thread = threading.get_ident()  # the thread that runs the steps: its waits are the step's
@@ -259,6 +272,7 @@ class StepTiming:
             self._other_us(),
             int(self._between_s * 1e6) if self._between_s >= 0 else -1,
             int(self.data_workers_s * 1e6),
+            self._frozen_us(self._wall, wall),
         )
         pairs, self._coll_events = self._coll_events, []
         if (
@@ -329,13 +343,17 @@ class StepTiming:
             other_us,
             between_us,
             workers_us,
+            frozen_us,
         ) = fields
         if gpu_us >= 0:
             # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
             # waiting for its own host, and a host a few % slower reads as a GPU 10x slower. The longer
             # of the two spans is the rank's own time to the end of backward.
             gpu_us = max(gpu_us, host_us)
-        desc = f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}:{between_us}:{workers_us}"
+        desc = (
+            f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}:{between_us}:{workers_us}"
+            f":{frozen_us}"
+        )
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
         self.append(STEP_PG_INDEX, step, cpu_ns, wall_ns, time.time_ns(), step, "step", desc)

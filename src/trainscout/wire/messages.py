@@ -104,6 +104,7 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     # collective waits and the probe's checks: the script's own work between steps (-1: no forward seen)
     between_s: float = -1.0
     data_workers_s: float = 0.0  # the part of data_s spent waiting for DataLoader worker processes' batches
+    frozen_s: float = 0.0  # the whole process was stopped this long in the step (its probe thread woke that late)
 
 
 class NumericRecord(msgspec.Struct, array_like=True, gc=False):
