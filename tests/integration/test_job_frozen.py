@@ -4,7 +4,9 @@ names no rank.
 Stopped one after the other, some ranks halt inside their compute while the others have already entered the
 gradient sync: to the timings those look like the ranks their peers wait for, once a second. Each rank's probe
 thread sees it woke late (the whole process did not run), the steps a majority of ranks spent stopped are left
-unjudged (`job_frozen` events), and the run ends with no finding.
+unjudged (`job_frozen` events), and the run ends with no finding. Stopped for longer than the hang timeout,
+the job has made no progress, with ranks caught at different collectives; as most ranks' probe threads were
+stopped too, no rank is voted a hang.
 """
 
 from __future__ import annotations
@@ -52,3 +54,20 @@ def test_a_job_stopped_whole_again_and_again_names_no_rank(jobs, tmp_path):
     assert result.findings == [], result.describe()
     frozen = [s for e in result.events if e["kind"] == "job_frozen" for s in e["steps"]]
     assert len(frozen) >= FREEZES // 2, result.describe()  # the probes saw the stops, the steps went unjudged
+
+
+def test_a_job_stopped_whole_for_longer_than_the_hang_timeout_is_not_a_hang(jobs, tmp_path):
+    launch = torchrun_cmd(
+        "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trainscout.demo.train", "--steps", "300"
+    )
+    job = start_under_trainscout(jobs, tmp_path, "frozen-long", launch, "--hang-timeout", "3")
+    job.wait_for_launcher_text("step 50")
+    for _ in range(2):
+        procs = _tree(job.pid)
+        _signal_all(procs, signal.SIGSTOP)
+        time.sleep(7.0)
+        _signal_all(procs, signal.SIGCONT)
+        time.sleep(2.0)
+    result = job.wait()
+    assert result.returncode == 0, result.describe()
+    assert result.findings == [], result.describe()

@@ -124,6 +124,20 @@ def test_starved_probe_thread_is_reported_as_gil_or_frozen():
     assert s.finding.culprit_ranks == [3] and s.finding.evidence["starved_ranks"] == [3]
 
 
+def test_a_job_stopped_whole_is_not_a_hang_of_the_ranks_caught_in_their_compute():
+    # every rank's probe thread silent as long as its training: the processes were stopped (SIGSTOP, a suspended
+    # job), rank 2 inside its compute, the others inside the collective it had not entered yet
+    ranks = {r: obs(r, [pg(45 if r != 2 else 44)], progress_age=60.0, heartbeat_age=60.0) for r in WORLD}
+    assert HangDetector(hang_timeout_s=5.0).update(100.0, ranks) == []
+    # half of them silent is no majority: rank 2 hangs, and its starved probe thread is evidence of it
+    ranks = {
+        r: obs(r, [pg(45 if r != 2 else 44)], progress_age=6.0, heartbeat_age=6.0 if r in (2, 3) else 0.1)
+        for r in WORLD
+    }
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, ranks)
+    assert s.finding.culprit_ranks == [2] and s.finding.evidence["starved_ranks"] == [2]
+
+
 def test_two_ranks_can_detect_but_not_attribute_a_hang():
     ranks = {r: obs(r, [pg(45 if r == 0 else 44, members=[0, 1])], progress_age=6.0) for r in (0, 1)}
     (s,) = HangDetector().update(100.0, ranks)

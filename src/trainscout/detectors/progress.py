@@ -5,7 +5,9 @@ the sequence number of the last collective they issued. The members behind a str
 entered the collective the majority waits in: they are the culprits (C3 exact vote). A rank behind in
 one group but ahead in another waits in a different group than its peers: a process-group desync.
 A job-wide pause (checkpoint save) leaves every member at the same sequence number: no finding, unless
-it lasts `stall_timeout_s`, and then the finding blames nobody.
+it lasts `stall_timeout_s`, and then the finding blames nobody. A job whose processes are stopped whole (most
+ranks' probe threads silent too: SIGSTOP of the job, a suspended job, a paused VM) is not voted on: the stop
+catches ranks wherever they were, and those caught in their compute would look like the culprits.
 
 Ranks behind because they do work of their own (rank 0 saving a checkpoint or evaluating alone while the others
 wait in a barrier, a rank compiling a new graph: markers.BUSY_*) are not hung: the vote waits while every rank
@@ -83,6 +85,10 @@ class HangDetector(DetectorBase):
             self.waiting_on_work, self._told = {}, set()
             return []
         if self._reported_this_quiet:
+            return []
+        if 2 * sum(1 for o in live.values() if o.heartbeat_age(now) >= self.starved_after_s) > len(live):
+            # most ranks' probe threads do not run either: their processes are stopped whole (a suspended job,
+            # a paused VM), caught wherever they were, some in their compute, some in a collective. No rank hangs.
             return []
         behind: dict[int, list[tuple[str, int]]] = {}  # rank -> [(pg, majority seq it never entered)]
         ahead: dict[int, list[tuple[str, int]]] = {}
