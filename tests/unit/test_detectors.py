@@ -604,6 +604,16 @@ def test_replay_deviation_then_recurrence_confirms_the_device():
     assert (confirm.kind, confirm.culprit_ranks, confirm.evidence["deviation_steps"]) == ("health", [2], [5, 25])
 
 
+def test_replays_still_waiting_when_the_job_has_ended_are_compared_at_the_final_pass():
+    det = ReplayDetector()
+    for r in WORLD:  # every rank's record came in the last reports; the ranks have exited: no class is live
+        det.add(r, [ReplayRecord(step=16, layer="blocks.1", output=1 if r != 2 else 2, grads=3)], 99.0)
+    view = JobView(now=100.0, ranks={}, seen={}, live=set(), members={}, classes={})
+    assert det.judge(view).findings == [] and det.replays_compared == 0  # waiting, as while the job runs
+    (f,) = det.judge(JobView(now=100.0, ranks={}, seen={}, live=set(), members={}, classes={}, final=True)).findings
+    assert (f.kind, f.culprit_ranks, f.step) == ("sdc", [2], 16) and det.replays_compared == 1
+
+
 def test_clean_replays_mark_layers_clean():
     det = ReplayDetector()
     for r in WORLD:

@@ -171,6 +171,7 @@ class Coordinator:
         self._last_trust = ""
         self.stop = False
         self._caught_up: float | None = None  # when the run loop last found no frame waiting (None: not running)
+        self._final = False  # finish(): the job ended and the agents' last reports are in
         # optional outputs: Prometheus metrics (--metrics-port) and findings posted to webhooks (--notify)
         self.metrics = (
             run_metrics.start(
@@ -395,6 +396,7 @@ class Coordinator:
             launcher_done=self.launcher_done,
             root_found=self.root_found,
             caught_up=self._caught_up,
+            final=self._final,
         )
 
     def _take(self, f: Finding, view: JobView) -> None:
@@ -953,6 +955,7 @@ class Coordinator:
                 break
         self.launcher_done = True
         self._caught_up = None  # drained: silence is judged up to now
+        self._final = True  # and what waits for more evidence judges what it has
         now = time.monotonic()
         self.detect(now)  # a hang or desync named now is the root: the exits that followed are its consequences
         if self.ranks and not self.root_found and not self._only_our_abort_stopped_ranks():

@@ -46,6 +46,7 @@ class JobView:
     launcher_done: bool = False
     root_found: bool = False  # a root cause (hang, desync, crash, ...) was named: later exits follow from it
     caught_up: float | None = None  # every frame sent before this was handled (None: all of them, up to now)
+    final: bool = False  # the job ended and its agents' last reports are drained: no evidence is still to come
 
     @property
     def waited_until(self) -> float:

@@ -9,6 +9,8 @@ device's arithmetic.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 
 from trainscout.consensus import vote_exact
@@ -42,7 +44,10 @@ class ReplayDetector(DetectorBase):
                 self.add(st.rank, st.replays, now)
 
     def judge(self, view: JobView) -> Judgement:
-        return findings_only(self.update(view.waited_until, view.classes))
+        # At the end, a replay still waiting for its class (whose ranks have exited, so the class is empty) or for
+        # wait_s is compared with the records that came: no more will (a 40-step job's last replays, which a
+        # confirmation awaits, were left uncompared on a loaded machine)
+        return findings_only(self.update(math.inf if view.final else view.waited_until, view.classes))
 
     def close(self) -> Judgement:
         return Judgement(counters={"replays_compared": self.replays_compared})
