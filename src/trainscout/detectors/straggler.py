@@ -290,7 +290,11 @@ class StragglerDetector(DetectorBase):
             stage.shared_gpu = self.shared_gpu
             for r, rec in recs.items():
                 stage.add(r, [rec], now)
-            for f in stage.update(now, set(recs)):
+            found = stage.update(now, set(recs))
+            # a stage's own detector is never judged: the steps it left unjudged go into this one's event
+            self.frozen_steps.extend(s for s in stage.frozen_steps if s not in self.frozen_steps)
+            stage.frozen_steps.clear()
+            for f in found:
                 # once named, a stage is not named again for another part of its time: a 30 ms sleep a step on a
                 # stage of 6 ms of compute also raised its measured CPU time 1.2x, a second finding of the same
                 # rank with a secondary cause

@@ -431,13 +431,15 @@ class NonFiniteCheck:
                 break
 
     def _adapt_stride(self) -> None:
-        """The stride for the median of the last tests' costs (probe/budget.py); 1 at a budget of 1 or more."""
+        """The stride for the median of the last tests' costs."""
+        self.stride = self._fit(self.stride, _middle(self._cpu_costs), MAX_STRIDE)
+
+    def _fit(self, current: int, cost_s: float, most: int) -> int:
+        """A stride or sample rate that keeps a cost of `cost_s` a check within the budget (probe/budget.py);
+        1 at a budget of 1 or more, or before a step was timed."""
         if self.budget >= 1 or self._wall_s <= 0:
-            self.stride = 1
-            return
-        self.stride = fit_stride(
-            self.stride, _middle(self._cpu_costs), max(self.budget, 1e-6), self._wall_s, MAX_STRIDE
-        )
+            return 1
+        return fit_stride(current, cost_s, max(self.budget, 1e-6), self._wall_s, most)
 
     def _cpu_finite(self, torch, grads: list) -> bool:
         """Whether every element of the CPU gradients is finite. One C++ call reads each gradient once (cold
@@ -631,14 +633,9 @@ class NonFiniteCheck:
         self._adapt_sample(start.elapsed_time(end) / 1000.0 * sample)
 
     def _adapt_sample(self, whole_read_s: float) -> None:
-        """The rate that keeps the kernel within half its budget of the step (probe/budget.py), from the
-        least of the last checks' GPU times scaled to a whole read; 1 at a budget of 1 or more."""
+        """The rate for the least of the last checks' GPU times, scaled to a whole read."""
         self._gpu_costs.append(whole_read_s)
-        if self.budget >= 1 or self._wall_s <= 0:
-            self.sample = 1
-            return
-        cost = min(self._gpu_costs)
-        self.sample = fit_stride(self.sample, cost, max(self.budget, 1e-6), self._wall_s, MAX_SAMPLE)
+        self.sample = self._fit(self.sample, min(self._gpu_costs), MAX_SAMPLE)
 
     def _grad_ptrs(self, layout) -> list[int] | None:
         """Every watched gradient's address, or None when one is missing, strided or resized this step (then

@@ -246,6 +246,8 @@ class StepTiming:
 
     def _frozen_us(self, start: float, end: float) -> int:
         """Microseconds of this step (start..end) the process was stopped; later spans stay for the next step."""
+        if not self._frozen:  # nearly every step: no lock taken
+            return 0
         with self._frozen_lock:
             spans, self._frozen = self._frozen, [s for s in self._frozen if s[1] > end]
         return int(sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans) * 1e6)
