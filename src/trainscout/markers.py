@@ -30,3 +30,6 @@ BUSY_WHAT = {
 # Evidence layer names (probe/grad_sync.py) of the k-th gradient reduction of a step, as it entered the collective:
 # the one gradient statistic a sharded class's members can compare (their parameters' gradients are shards)
 GRAD_SYNC_LAYER = "grad-sync."
+# The role of the process groups trainscout makes beside the job's own (replay's, link probes', the fault
+# injector's): no part of the job's topology, and no evidence of where the job's own collectives hang
+PROBE_GROUP_ROLE = "trainscout"

@@ -10,6 +10,9 @@
 - "long-compile": at step 20 rank 0 alone compiles a new graph (torch.compile, a backend taking LONG_S) while the
   others wait in a barrier (a rank meeting a new shape first);
 - "stuck-save": rank 0's save at step 20 never ends (storage gone): a hang, once it outlasts the stall timeout;
+- "skip-step": rank 2 skips its optimizer step at step 30 (the job's own bug): its replica's state differs from
+  then on, and its optimizer steps are one behind its peers';
+- "repeat-step": rank 1 steps its optimizer twice at step 30: the same, one ahead;
 - "none": nothing.
 Used by tests/integration/test_main_rank_side_work.py, test_slow_optimizer_step.py and
 tests/gpu/test_side_work_cuda.py (ranks sharing one GPU, over gloo).
@@ -118,7 +121,10 @@ with open(f"{log_prefix}.{rank}", "w") as log:
         x, y = torch.randn(32, 64, device=device), torch.randint(0, 8, (32,), device=device)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        opt.step()
+        if not (mode == "skip-step" and rank == 2 and step == 30):
+            opt.step()
+        if mode == "repeat-step" and rank == 1 and step == 30:
+            opt.step()
         opt.zero_grad()
         if mode == "eval" and rank == 0 and step % 10 == 0:
             evaluate(log)

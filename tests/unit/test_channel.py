@@ -87,6 +87,31 @@ def test_every_probe_error_reaches_the_digest_in_order_and_a_burst_is_counted():
         os.unlink(writer.path)  # the channel lives in /dev/shm: a test must not leave it behind
 
 
+def test_a_long_probe_error_is_shown_once_whole():
+    """The ring record holds DESC_BYTES of an error's text, the header 480: both reached the user, the cut copy
+    first."""
+    from trainscout.agent.rank_view import RankView
+    from trainscout.channel.layout import DESC_BYTES, ERROR_PG_INDEX
+
+    run_id = f"chtest-{uuid.uuid4().hex[:8]}"
+    writer = ChannelWriter(run_id, 0, 0, 1)
+    view = RankView(run_id, 0, writer.path)
+    text = "replay disabled: " + "a replica did not join the replay in time " * 6
+    assert DESC_BYTES < len(text) < 480
+    try:
+        writer.set("pid", os.getpid())
+        writer.append(ERROR_PG_INDEX, 1, 0, 0, 0, 5, "error", text[:DESC_BYTES])
+        writer.set("error_text", text.encode())
+        view.refresh()
+        state = view.state()
+        assert state is not None
+        assert state.probe_errors == [text]
+    finally:
+        writer.close()
+        view.reader.close()
+        os.unlink(writer.path)
+
+
 def test_a_run_id_is_claimed_by_one_live_process_at_a_time():
     import subprocess
     import sys

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from trainscout.detectors.desync import DesyncDetector
 from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.interface import MAX_BACKLOG_S, JobView
@@ -11,7 +13,7 @@ from trainscout.detectors.progress import HangDetector
 from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors import state as state_module
 from trainscout.detectors.state import ReplicaStateDetector, verified_step
-from trainscout.markers import BUSY_ACTIVE, BUSY_CHECKPOINT, BUSY_COMPILE, BUSY_IDLE, BUSY_WHAT
+from trainscout.markers import BUSY_ACTIVE, BUSY_CHECKPOINT, BUSY_COMPILE, BUSY_IDLE, BUSY_WHAT, PROBE_GROUP_ROLE
 from trainscout.probe import protocol
 from trainscout.wire.messages import (
     CollectiveRecord,
@@ -101,6 +103,19 @@ def test_hang_names_the_rank_that_never_entered_the_collective():
     f = suspects[0].finding
     assert (f.kind, f.culprit_ranks, f.pg, f.collective_seq, f.status) == ("hang", [2], "0", 45, "attributed")
     assert suspects[0].stack_ranks == [2]
+
+
+def test_trainscout_s_own_group_is_no_evidence_of_a_hang():
+    # ranks 0, 1, 3 wait in a replay's broadcast on trainscout's side group; rank 2, whose node never got the
+    # replay's command, waits ahead of them in the job's next all-reduce: the job is stalled by the tool, and
+    # rank 2 is no culprit
+    def side(seq: int) -> PgState:
+        return msgspec.structs.replace(pg(seq, name="1"), role=PROBE_GROUP_ROLE)
+
+    ranks = {r: obs(r, [pg(45 if r == 2 else 44), side(7 if r != 2 else 6)], progress_age=6.0) for r in WORLD}
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, ranks)
+    assert (s.finding.status, s.finding.culprit_ranks) == ("inconclusive", [])
+    assert s.finding.pg == "0"
 
 
 def test_no_hang_before_timeout_and_none_for_a_job_wide_pause():

@@ -513,8 +513,12 @@ class RankView:
             errors.append(f"{self.malformed} channel records unreadable so far (corrupted shared memory?)")
             self._malformed_told = self.malformed
         last = h["error_text"].decode(errors="replace")  # also errors written to the header only (publisher)
-        if last and last not in errors:
-            errors.append(last)  # the coordinator shows each (rank, error) once
+        if last:  # the coordinator shows each (rank, error) once: a ring record cut short gets the header's whole text
+            cut = next((i for i, e in enumerate(errors) if last.startswith(e)), None)
+            if cut is None:
+                errors.append(last)
+            else:
+                errors[cut] = last
         if int(h["sig_mismatch"]):
             errors.append(
                 "the Python collective path described a collective differently from the Flight "

@@ -24,7 +24,7 @@ from trainscout.consensus import vote_exact
 from trainscout.detectors.interface import DetectorBase, DumpStacks, JobView, Judgement
 from trainscout.detectors.observations import RankObs, group_label, rank_list, who
 from trainscout.findings import DESYNC, HANG, STALL, Finding
-from trainscout.markers import BUSY_ACTIVE, BUSY_WHAT
+from trainscout.markers import BUSY_ACTIVE, BUSY_WHAT, PROBE_GROUP_ROLE
 
 HANG_TIMEOUT_S, STALL_TIMEOUT_S = RUN.hang_timeout, RUN.stall_timeout
 
@@ -245,11 +245,13 @@ class HangDetector(DetectorBase):
 
 def _groups(ranks: dict[int, RankObs], live: dict[int, RankObs]):
     """(pg name, members, {live member: seq}, the lowest seq of a member that has exited or None) for every group
-    with at least two live reporting members, or one and a member that has exited."""
+    with at least two live reporting members, or one and a member that has exited. trainscout's own groups are
+    left out: their exchanges are bounded and end by themselves, and a rank that missed one (its node never got
+    the command) is no culprit."""
     names: dict[str, list[int]] = {}
     for o in live.values():
         for pg in o.state.pgs:
-            if pg.members and pg.name not in names:
+            if pg.members and pg.name not in names and pg.role != PROBE_GROUP_ROLE:
                 names[pg.name] = pg.members
     everyone_live = len(live) == len(ranks)
     for name, members in names.items():

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from trainscout.markers import PROBE_GROUP_ROLE
+
 Declare = Callable[..., None]  # (process group, role, framework, module=None, params_only=False)
 
 
@@ -49,7 +51,7 @@ def install_in_probe(probe) -> None:
         """module: the replicated model, when role is `replicate` and the probe should compare its state;
         params_only: only its parameters are replicated (the optimizer's state is sharded)."""
         for side in _side_groups(probe):  # the probe's own groups are no part of the job's topology
-            publisher.set_role(side, "trainscout", "trainscout")
+            publisher.set_role(side, PROBE_GROUP_ROLE, "trainscout")
         publisher.set_role(group, role, framework)
         if role == "replicate" and module is not None:
             probe.param_names.update({id(p): n for n, p in module.named_parameters()})
@@ -63,7 +65,7 @@ def install_in_probe(probe) -> None:
         if earlier is not None:
             earlier()
         for side in _side_groups(probe):
-            publisher.set_role(side, "trainscout", "trainscout")
+            publisher.set_role(side, PROBE_GROUP_ROLE, "trainscout")
 
     publisher.on_tick = on_tick
 

@@ -624,11 +624,16 @@ class Probe:
         request = self._replay_request
         on_command = request is not None and request["step"] == self.step
         command = request if on_command else None  # the request, when it is for this step
+        if self.replay is not None:
+            self.replay.slack_s = 0.0
         if command is not None and command["state"] and self.state_check is not None:
+            t0 = time.perf_counter()
             try:  # a confirmation: the whole replicated state at this step, on every replica
                 self.state_check.full_check(self.step)
             except Exception as exc:  # fail open
                 self.report_error(f"whole-state check failed: {exc!r}")
+            if self.replay is not None:  # a peer as slow again at the same work still meets the replay
+                self.replay.slack_s = 2 * (time.perf_counter() - t0)
         layers = command["layers"] if command is not None else []
         several = len(layers) > 1
         if self.joins and self._uneven_now():  # a peer out of data never reaches this step (_watch_joins_of)
