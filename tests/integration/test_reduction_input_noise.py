@@ -43,3 +43,15 @@ def test_noise_added_to_fsdp2s_reduce_scatter_input_is_named_unconfirmed(jobs, t
     result = stop_once_found(job, lambda found: any(f["kind"] == "sdc" for f in found))
     assert result.returncode in (0, STOPPED), result.describe()
     _bucket_finding(result, "unconfirmed")
+
+
+def test_a_layer_gradient_zeroed_on_one_rank_before_the_all_reduce_is_named(jobs, tmp_path):
+    """Exactly 0 has no log-norm: the zero was left out of every comparison, and the layer's average, 3/4 of what
+    it should be, went unnamed."""
+    job = start_under_trainscout(jobs, tmp_path, "zero-grad", _launch(300, "--zero-grad", "1:60"))
+    result = stop_once_found(job, lambda found: any(f["kind"] == "sdc" for f in found))
+    assert result.returncode in (0, STOPPED), result.describe()
+    (found,) = [f for f in result.findings if f["evidence"].get("check") == "numeric_grad_norm"]
+    assert found["culprit_ranks"] == [1] and found["evidence"]["pattern"] == "zero", result.describe()
+    assert found["evidence"]["layer"] == "model.blocks.1" and found["step"] - 60 <= 10, result.describe()
+    assert {r for f in result.findings for r in f["culprit_ranks"]} == {1}, result.describe()

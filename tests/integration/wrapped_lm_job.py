@@ -134,6 +134,9 @@ def main() -> None:
         help="RANK:STEP: the job itself adds noise to the gradient on its way into the reduction there (DDP: in its "
         "communication hook; FSDP2: in a wrapper of the reduce-scatter)",
     )
+    parser.add_argument(
+        "--zero-grad", default="", help="RANK:STEP: from then on the job itself zeroes blocks.1's local gradient"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -159,6 +162,10 @@ def main() -> None:
             return {**output, "hidden_states": -output["hidden_states"]} if now[0] >= start else output
 
         getattr(model, "module", model).model.blocks[1].register_forward_hook(flip)
+    if args.zero_grad and rank == int(args.zero_grad.split(":")[0]):  # a hook gone wrong, before the all-reduce
+        first = int(args.zero_grad.split(":")[1])
+        for param in getattr(model, "module", model).model.blocks[1].parameters():
+            param.register_hook(lambda grad: torch.zeros_like(grad) if now[0] >= first else grad)
     if args.zero:  # each rank steps its shard, then the wrapper broadcasts every shard from its owner
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -287,6 +287,32 @@ def test_experts_no_token_of_a_ranks_batch_chose_name_nobody():
     assert _run(range(1, 300), norms_of=routed) == []
 
 
+def test_a_layer_gradient_zeroed_on_one_rank_is_named_once_it_stays_zero():
+    """A hook or a device writing zeros: the log-norm statistics leave a 0 out, and a 0.75x average of the layer
+    shows nowhere else."""
+    found = _run(
+        range(1, 200), norms_of=lambda r, s, n: [0.0 if r == 1 and s >= 100 and i == 2 else x for i, x in enumerate(n)]
+    )
+    assert [(f.rank, f.statistic, f.pattern, f.layer) for f in found] == [(1, "grad_norm", "zero", "blocks.1")]
+    assert found[0].step == 107 and found[0].steps == list(range(100, 108))
+    assert "exactly 0 in 8 steps in a row" in numeric_finding(found[0]).summary
+
+
+@pytest.mark.parametrize(
+    "zeroed",
+    [
+        lambda r, s: r == 1 and 100 <= s < 107,  # seven steps, then its gradient came back: not for good
+        lambda r, s: r == 1,  # zero from the start (a rank's data never reaches the layer): no history of not 0
+        lambda r, s: r in (1, 2) and s >= 100,  # two ranks alike: no minority
+    ],
+)
+def test_a_zero_gradient_that_is_brief_always_so_or_shared_names_nobody(zeroed):
+    found = _run(
+        range(1, 200), norms_of=lambda r, s, n: [0.0 if zeroed(r, s) and i == 2 else x for i, x in enumerate(n)]
+    )
+    assert found == []
+
+
 def _sharded_digest(step: int, losses: dict[int, float], norms: dict[int, list[float]], layers=LAYERS):
     from trainscout.wire.messages import NodeDigest, NumericRecord, PgState, RankState
 

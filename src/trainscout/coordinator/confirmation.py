@@ -178,6 +178,11 @@ def numeric_finding(s: NumericSuspect) -> Finding:
             f"{_gradient_of(s.layer)} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
             f"{s.step}, before the reduction, while {calm}"
         )
+    elif s.pattern == "zero":
+        what = (
+            f"{_gradient_of(s.layer)} is exactly 0 in {len(s.steps)} steps in a row, before the reduction, where "
+            "none of its peers' is (nor was its own before)"
+        )
     else:
         what = (
             f"the norm of {_gradient_of(s.layer)} is {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) in "

@@ -17,6 +17,10 @@ fault itself while it lasts). A rank is a suspect when it is far out in robust z
   batch raises the loss (z >= LOSS_CALM_Z) and with it the gradients of the layers the loss flows back through
   (their median ratio >= BROAD_RATIO); a loss off its peers' by chance (1 step in 20 with 4 ranks) with one layer
   alone far out hid noise.
+- zero (gradient norms only): a layer's local gradient exactly 0 in ZERO_STEPS steps in a row while a strict
+  majority of its class's is not, after ZERO_HISTORY steps in which it was not either: zeroed on its way (a hook,
+  a device writing zeros). The log-norm statistics leave zeros out (a mixture-of-experts layer no token of a
+  rank's batch chose has no gradient there, now and then, not for good).
 Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
 which confirms them (replay, state fingerprints) before a finding is emitted.
 
@@ -75,6 +79,8 @@ LOSS_CALM_Z = 3.0
 BROAD_RATIO = 1.5  # a hard batch: the median of the rank's layer-norm ratios over its peers at least this
 TURBULENT = 3.0  # a step whose spread across ranks is this many times the usual is judged on its own spread
 SPIKE_GAP = 50  # at most one spike suspect per rank in this many steps (a fault that repeats is not a flood)
+ZERO_STEPS = 8  # a layer's gradient exactly 0 this many steps in a row on one rank, every peer's not ...
+ZERO_HISTORY = 16  # ... after at least this many judged steps in which it was not 0 either
 WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
 _TINY = 1e-30
 
@@ -84,7 +90,7 @@ class NumericSuspect:
     rank: int
     step: int  # the step that completed the evidence
     statistic: str  # "loss" | "grad_norm"
-    pattern: str  # "persistent" | "spike"
+    pattern: str  # "persistent" | "spike" | "zero"
     layer: str = ""  # for grad_norm: the layer that deviates most
     ratio: float = 1.0  # the rank's value over its peers' median (for norms: of the norm)
     z: float = 0.0
@@ -143,6 +149,8 @@ class NumericDetector(DetectorBase):
         self._sharded: set[str] = set()  # classes that are a sharded job's shard group (no replicas)
         self._coupled: set[int] = set()  # ranks whose loss and gradients depend on other ranks' computation
         self._p2p_steps: dict[int, list[int]] = {}  # rank -> [steps with point-to-point calls, steps seen]
+        self._zero_runs: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps in a row its gradient was 0
+        self._nonzero: dict[tuple[int, str], int] = {}  # (rank, layer) -> judged steps its gradient was not 0
         self.steps_judged = 0
         self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
 
@@ -292,6 +300,7 @@ class NumericDetector(DetectorBase):
                             layers={k: round(v[0], 3) for k, v in norm_flags[r].items()},
                         )
                     )
+        out.extend(self._zeroed(group, step, entry, loss_z))
         for r, layers in norm_flags.items():
             spikes = {
                 k: v
@@ -327,6 +336,51 @@ class NumericDetector(DetectorBase):
             s.confirmable = group not in self._sharded
             s.coupled = s.rank in self._coupled
             self.trace.append((s.step, s.rank, s.statistic, s.pattern, s.layer, round(s.ratio, 3), round(s.z, 1)))
+        return out
+
+    def _zeroed(self, group: str, step: int, entry: dict, loss_z: dict[int, float]) -> list[NumericSuspect]:
+        """Layers whose local gradient is exactly 0 on a strict minority of ranks, for ZERO_STEPS steps in a row
+        after ZERO_HISTORY steps of not being 0 (the log-norm statistics cannot hold a 0)."""
+        norms = entry["norms"]
+        if len(norms) < 3:
+            return []
+        out: list[NumericSuspect] = []
+        for i, layer in enumerate(self._layers.get(group, [])):
+            values = {r: v[i] for r, v in norms.items() if math.isfinite(v[i])}
+            zero = [r for r, v in values.items() if v == 0]
+            for r, v in values.items():
+                key = (r, layer)
+                if v != 0:
+                    self._nonzero[key] = self._nonzero.get(key, 0) + 1
+                    self._zero_runs.pop(key, None)
+            if not zero or 2 * len(zero) >= len(values):  # none, or no minority: a layer the batches did not use
+                for r in zero:
+                    self._zero_runs.pop((r, layer), None)
+                continue
+            for r in zero:
+                key = (r, layer)
+                run = self._zero_runs.setdefault(key, [])
+                run.append(step)
+                if (
+                    len(run) < ZERO_STEPS
+                    or self._nonzero.get(key, 0) < ZERO_HISTORY
+                    or (r, layer, "zero") in self._reported
+                ):
+                    continue
+                self._reported.add((r, layer, "zero"))
+                out.append(
+                    NumericSuspect(
+                        r,
+                        step,
+                        "grad_norm",
+                        "zero",
+                        layer=layer,
+                        ratio=0.0,
+                        steps=list(run),
+                        loss_z=loss_z.get(r, 0.0),
+                        layers={layer: 0.0},
+                    )
+                )
         return out
 
     @staticmethod
