@@ -220,6 +220,7 @@ class Replay:
         schedule's rotation and interval are left as they were."""
         t0 = time.perf_counter()
         self._disarm()
+        self._settle()
         for name, layer in self.layers:
             if name not in names:
                 continue
@@ -257,6 +258,7 @@ class Replay:
             self._next_index = (index + 1) % n
         name, layer = self.layers[index]
         self._disarm()
+        self._settle()
         x, interval = self._exchange_input(name, self._proposed_interval(step_s))
         self._captured = {}
         if self.budget and interval > 0:
@@ -277,6 +279,16 @@ class Replay:
         self._last_s = time.perf_counter() - t0
         self.spent_s += self._last_s
         del torch
+
+    def _settle(self) -> None:
+        """On CUDA, wait for this rank's queued GPU work before meeting the replicas: the source's input is copied to
+        the host after it, and a host running a step or two ahead of a slow GPU would otherwise arrive at the
+        bounded meeting (JOIN_S) seconds after its peers. A replay synchronises with the GPU anyway."""
+        import torch
+
+        param = next(self._root.parameters(), None) if self._root is not None else None
+        if param is not None and param.is_cuda:
+            torch.cuda.current_stream(param.device).synchronize()
 
     def _record(self, step: int, name: str, out_hash: int, grad_hash: int, params: str) -> None:
         """A replay's record: its fingerprints, and in its text the layer, the parameters' fingerprint ("": no
