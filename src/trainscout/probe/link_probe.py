@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import time
 
+from trainscout.probe.replay import JOIN_S, SIDE_BYTES_S
 from trainscout.probe.requests import RequestFile
 from trainscout.probe.step_timing import STEP_PG_INDEX
 
 EXCHANGE_BYTES = 256 * 1024
 REPEATS = 5
+# A partner may reach a round late by its own earlier rounds' exchanges (each at most this long, on a link slow
+# enough to be worth finding); past that, it is not coming (its step count is off its peers', or it is stopped):
+# every wait is bounded, as replay's are, so the job is held seconds and not the side group's minute.
+ROUND_S = 2.0
 
 
 def round_robin(members: list[int]) -> list[dict[int, int]]:
@@ -76,7 +81,7 @@ class LinkProbe:
         return step == request["step"]
 
     def run(self, step: int, group) -> None:
-        """Exchange with each partner in turn; blocking calls on the side group (bounded by its timeout)."""
+        """Exchange with each partner in turn over the side group, every wait bounded (ROUND_S, JOIN_S)."""
         import torch
         import torch.distributed as dist
 
@@ -87,17 +92,18 @@ class LinkProbe:
         got = torch.empty_like(buf)
         hello, hello_in = torch.zeros(1), torch.zeros(1)
         seconds: dict[int, float] = {}
-        for pairs in round_robin(request["members"]):
+        transfer_s = JOIN_S + 2 * EXCHANGE_BYTES / SIDE_BYTES_S
+        for index, pairs in enumerate(round_robin(request["members"])):
             peer = pairs.get(self.rank)
             if peer is None:
                 continue
             # An untimed handshake first: the partner may reach this round later (it was still computing,
             # or finishing its previous round); waiting for it is not the link's time.
-            _exchange(dist, self.rank, peer, hello, hello_in, group)
+            _exchange(dist, self.rank, peer, hello, hello_in, group, JOIN_S + index * ROUND_S)
             times = []
             for _ in range(REPEATS):
                 t0 = time.perf_counter()
-                _exchange(dist, self.rank, peer, buf, got, group)
+                _exchange(dist, self.rank, peer, buf, got, group, transfer_s)
                 times.append(time.perf_counter() - t0)
             seconds[peer] = min(times)  # the best of a few: scheduling noise only ever adds time
         items = sorted(seconds.items())
@@ -108,13 +114,16 @@ class LinkProbe:
         self.count += 1
 
 
-def _exchange(dist, rank: int, peer: int, out, into, group) -> None:
-    """Send `out` to the peer and receive `into` from it. The lower rank sends first, so the pair never waits
-    on itself. Looked up at call time: whatever sits under torch.distributed's send/recv (a slow transport)
-    is what gets measured."""
+def _exchange(dist, rank: int, peer: int, out, into, group, limit_s: float) -> None:
+    """Send `out` to the peer and receive `into` from it, each waited for at most `limit_s` (then it raises, and
+    the link probe turns itself off). The lower rank sends first, so the pair never waits on itself. Looked up at
+    call time: whatever sits under torch.distributed's isend/irecv (a slow transport) is what gets measured."""
+    import datetime
+
+    limit = datetime.timedelta(seconds=limit_s)
     if rank < peer:
-        dist.send(out, dst=peer, group=group)
-        dist.recv(into, src=peer, group=group)
+        dist.isend(out, dst=peer, group=group).wait(limit)
+        dist.irecv(into, src=peer, group=group).wait(limit)
     else:
-        dist.recv(into, src=peer, group=group)
-        dist.send(out, dst=peer, group=group)
+        dist.irecv(into, src=peer, group=group).wait(limit)
+        dist.isend(out, dst=peer, group=group).wait(limit)
