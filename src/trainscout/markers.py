@@ -33,3 +33,6 @@ GRAD_SYNC_LAYER = "grad-sync."
 # The role of the process groups trainscout makes beside the job's own (replay's, link probes', the fault
 # injector's): no part of the job's topology, and no evidence of where the job's own collectives hang
 PROBE_GROUP_ROLE = "trainscout"
+# The fault injector's group (a drill's "collective on another process group"): no part of the topology shown, but
+# it stands for one of the job's groups, and the hang and desync votes see it as such
+DRILL_GROUP_ROLE = "trainscout-drill"

@@ -539,6 +539,19 @@ def test_two_of_four_replicas_that_differ_name_nobody_and_leave_the_step_unclean
     assert (f.status, f.culprit_ranks, f.step) == ("inconclusive", [], 120)
 
 
+def test_a_named_replica_against_the_one_peer_left_at_the_jobs_end_is_no_new_finding():
+    """Rank 1 named; at the job's end ranks 0 and 2 have exited and rank 1's last hash is compared with rank 3's
+    alone: "corruption detected, culprit unknown" followed the finding that had named it."""
+    det = ReplicaStateDetector(wait_s=5.0)
+    for r in WORLD:
+        det.add(r, "0", [StateRecord(step=31, tensor="w", start=0, end=64, digest=9 if r == 1 else 7)], 0.0)
+    (f,) = det.update(1.0, {"0": WORLD}, set(WORLD))
+    assert f.culprit_ranks == [1]
+    for r, digest in ((1, 5), (3, 6)):
+        det.add(r, "0", [StateRecord(step=77, tensor="w", start=0, end=64, digest=digest)], 2.0)
+    assert det.update(3.0, {"0": WORLD}, {1, 3}) == [] and det.step_clean[77] is False
+
+
 def test_a_backlog_of_frames_is_no_missing_evidence():
     # three replicas reported at t=0; the fourth's report (the odd one) waits in the coordinator's queue, which
     # last ran empty at t=0.5: at t=8 the wait has not run out on the evidence clock, and the vote waits for it

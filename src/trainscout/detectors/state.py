@@ -34,6 +34,7 @@ class ReplicaStateDetector(DetectorBase):
         self.keep_steps = keep_steps
         self._pending: dict[tuple, dict] = {}  # (group, step, tensor, start, end) -> {"ranks": {r: h}, "t": first}
         self._blamed: set[tuple[int, ...]] = set()
+        self._named: dict[str, set[int]] = {}  # group -> ranks a strict majority of it named
         self.compared = 0
         self.max_step = 0
         self.step_clean: dict[int, bool] = {}  # step -> every range compared at that step agreed
@@ -92,8 +93,13 @@ class ReplicaStateDetector(DetectorBase):
                 # of four that differ say nothing of who is wrong (the one already named, most often); the step
                 # is not clean, and a step the whole class hashed will tell
                 continue
+            if verdict.status != "attributed" and self._named.get(group, set()) & set(entry["ranks"]):
+                # a replica already named stays different: with one peer left to compare it with (the others have
+                # exited at the job's end), a disagreement with no majority says nothing new
+                continue
             if verdict.status == "attributed":
                 self.outliers_at.setdefault(step, set()).update(verdict.outliers)
+                self._named.setdefault(group, set()).update(verdict.outliers)
             finding = self._finding(verdict, entry["ranks"], group, step, tensor, start, end)
             blame = tuple(finding.culprit_ranks) or tuple(sorted(entry["ranks"]))
             if blame in self._blamed:

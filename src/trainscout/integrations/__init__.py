@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from trainscout.markers import PROBE_GROUP_ROLE
+from trainscout.markers import DRILL_GROUP_ROLE, PROBE_GROUP_ROLE
 
 Declare = Callable[..., None]  # (process group, role, framework, module=None, params_only=False)
 
@@ -50,8 +50,7 @@ def install_in_probe(probe) -> None:
     def declare(group, role: str, framework: str, module=None, params_only: bool = False) -> None:
         """module: the replicated model, when role is `replicate` and the probe should compare its state;
         params_only: only its parameters are replicated (the optimizer's state is sharded)."""
-        for side in _side_groups(probe):  # the probe's own groups are no part of the job's topology
-            publisher.set_role(side, PROBE_GROUP_ROLE, "trainscout")
+        _mark_side_groups(probe)  # the probe's own groups are no part of the job's topology
         publisher.set_role(group, role, framework)
         if role == "replicate" and module is not None:
             probe.param_names.update({id(p): n for n, p in module.named_parameters()})
@@ -64,20 +63,18 @@ def install_in_probe(probe) -> None:
     def on_tick() -> None:  # jobs no integration sees still get the side groups marked
         if earlier is not None:
             earlier()
-        for side in _side_groups(probe):
-            publisher.set_role(side, PROBE_GROUP_ROLE, "trainscout")
+        _mark_side_groups(probe)
 
     publisher.on_tick = on_tick
 
 
-def _side_groups(probe) -> list:
-    """Groups the probe or the fault injector created beside the job's own (replay, link probes, pg desync)."""
-    found = [
-        getattr(probe, "_side_group", None),
-        *getattr(probe, "_replica_groups", {}).values(),  # replay's, over each stage's replicas
-        getattr(getattr(probe, "injector", None), "_side_group", None),
-    ]
-    return [g for g in found if g is not None and hasattr(g, "group_name")]
+def _mark_side_groups(probe) -> None:
+    """Groups the probe created beside the job's own (replay, link probes), and the fault injector's (pg desync)."""
+    drill = getattr(getattr(probe, "injector", None), "_side_group", None)
+    own = [getattr(probe, "_side_group", None), *getattr(probe, "_replica_groups", {}).values()]
+    for group, role in [*((g, PROBE_GROUP_ROLE) for g in own), (drill, DRILL_GROUP_ROLE)]:
+        if group is not None and hasattr(group, "group_name"):
+            probe.publisher.set_role(group, role, "trainscout")
 
 
 def after(real: Callable, learn: Callable, on_error: Callable[[str], None], what: str) -> Callable:

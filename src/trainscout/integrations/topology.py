@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from trainscout.markers import DRILL_GROUP_ROLE, PROBE_GROUP_ROLE
+
 ROLE_ORDER = ("replicate", "shard", "tensor", "pipeline", "context", "expert")
 MAX_OTHER_GROUPS = 6  # the line names this many undeclared groups, then counts the rest
 
@@ -46,7 +48,7 @@ def build(groups_by_rank: Mapping[int, Iterable[Mapping]]) -> dict:
                 entry["members"] = sorted(int(r) for r in g["members"])
             if not entry["role"] and g.get("role"):
                 entry["role"], entry["framework"] = str(g["role"]), str(g.get("framework") or "")
-    shown = [g for g in groups.values() if g["role"] != "trainscout"]
+    shown = [g for g in groups.values() if g["role"] not in (PROBE_GROUP_ROLE, DRILL_GROUP_ROLE)]
     shown.sort(key=lambda g: (int(g["name"]) if g["name"].isdigit() else 1 << 62, g["name"]))
     replicas = sorted({tuple(g["members"]) for g in shown if g["role"] == "replicate" and len(g["members"]) > 1})
     doc = {"ranks": sorted(groups_by_rank), "groups": shown, "replicas": [list(r) for r in replicas]}

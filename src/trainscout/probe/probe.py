@@ -552,7 +552,7 @@ class Probe:
                 self.report_error(f"replay disabled (no side group over the replicas): {exc!r}")
                 return None
             self._replica_groups[tuple(members)] = group
-        return group  # marked the probe's own, not the job's (trainscout.integrations._side_groups)
+        return group  # marked the probe's own, not the job's (trainscout.integrations._mark_side_groups)
 
     def _hook_optimizer(self, module) -> None:
         try:
