@@ -184,9 +184,6 @@ def main() -> None:
     dist.destroy_process_group()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print("done", flush=True)
-    # torch's own interpreter teardown after a gloo job sometimes aborts (SIGABRT, ~1 run in 10, with or without
-    # trainscout), which is a real crash to trainscout: every collective is done and the output flushed, so skip it
-    os._exit(0)
 
 
 if __name__ == "__main__":
