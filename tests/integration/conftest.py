@@ -51,6 +51,22 @@ def torchrun_cmd(*args: str) -> list[str]:
     return [PY, "-m", "torch.distributed.run", *args]
 
 
+def run_torchrun_script(script: Path, nproc: int, *args: str, timeout: float = 120) -> None:
+    """`script` as a plain torchrun job of `nproc` ranks on 127.0.0.1 (no trainscout), which must exit 0."""
+    cmd = torchrun_cmd(
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        *args,
+    )
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -10,12 +10,11 @@ longer than budget x step time x 50 steps here) and write down the steps they re
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
 
 import pytest
 
-from conftest import free_port, torchrun_cmd
+from conftest import run_torchrun_script
 
 pytestmark = pytest.mark.slow
 
@@ -58,20 +57,7 @@ def _run(tmp_path, budget: float) -> list[dict]:
     script = tmp_path / "replay_job.py"
     script.write_text(SCRIPT)
     out = str(tmp_path / f"b{budget}-{{rank}}.json")
-    cmd = torchrun_cmd(
-        "--nproc-per-node",
-        "3",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        out,
-        str(budget),
-        str(STEPS),
-    )
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_torchrun_script(script, 3, out, str(budget), str(STEPS))
     return [json.loads(open(out.format(rank=r)).read()) for r in range(3)]
 
 

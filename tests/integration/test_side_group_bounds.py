@@ -8,12 +8,11 @@ Rank 0's call must raise after a few seconds (the probe then turns that check of
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
 
 import pytest
 
-from conftest import free_port, torchrun_cmd
+from conftest import run_torchrun_script
 
 pytestmark = pytest.mark.slow
 
@@ -61,20 +60,7 @@ def test_a_peer_that_never_comes_is_given_up_on_within_seconds(tmp_path, what):
     script = tmp_path / "side_job.py"
     script.write_text(SCRIPT)
     out = str(tmp_path / f"{what}-{{rank}}.json")
-    cmd = torchrun_cmd(
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        what,
-        out,
-        str(ABSENT_S),
-    )
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_torchrun_script(script, 2, what, out, str(ABSENT_S))
     got = json.loads(open(out.format(rank=0)).read())
     assert got["raised"] is not None, got  # it gave up ...
     assert got["waited_s"] < ABSENT_S / 2, got  # ... long before the peer came back

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from trainscout.probe.replay import JOIN_S, SIDE_BYTES_S
 from trainscout.probe.requests import RequestFile
+from trainscout.probe.side_group import JOIN_S, SIDE_BYTES_S, wait_within
 from trainscout.probe.step_timing import STEP_PG_INDEX
 
 EXCHANGE_BYTES = 256 * 1024
@@ -118,12 +118,9 @@ def _exchange(dist, rank: int, peer: int, out, into, group, limit_s: float) -> N
     """Send `out` to the peer and receive `into` from it, each waited for at most `limit_s` (then it raises, and
     the link probe turns itself off). The lower rank sends first, so the pair never waits on itself. Looked up at
     call time: whatever sits under torch.distributed's isend/irecv (a slow transport) is what gets measured."""
-    import datetime
-
-    limit = datetime.timedelta(seconds=limit_s)
     if rank < peer:
-        dist.isend(out, dst=peer, group=group).wait(limit)
-        dist.irecv(into, src=peer, group=group).wait(limit)
+        wait_within(dist.isend(out, dst=peer, group=group), limit_s, "the link probe")
+        wait_within(dist.irecv(into, src=peer, group=group), limit_s, "the link probe")
     else:
-        dist.irecv(into, src=peer, group=group).wait(limit)
-        dist.isend(out, dst=peer, group=group).wait(limit)
+        wait_within(dist.irecv(into, src=peer, group=group), limit_s, "the link probe")
+        wait_within(dist.isend(out, dst=peer, group=group), limit_s, "the link probe")

@@ -23,18 +23,14 @@ would be 0.7 %). The source decides the next interval from its last replay's wal
 time and sends it in the replay's header, so every replica replays at the same steps. Without a
 budget (checks.replay.budget = 0, TRAINSCOUT_REPLAY_BUDGET=0) replays are at exactly the multiples of `every`.
 
-Meeting. The replicas meet at a replay's first broadcast. One whose optimizer steps no longer match its peers'
-(the job skipped or repeated a step there, or the process is stopped) is not there: it waits in the job's next
-collective, which the others, waiting here, never enter. Every broadcast is therefore bounded (JOIN_S, plus the
-transfer time of a large input); past it this rank's replay is switched off and training goes on after a stall of
-seconds, well inside the hang timeout, instead of the side group's minute.
+Meeting. The replicas meet at a replay's first broadcast; every broadcast waits for them a few seconds at
+most (side_group.py), then this rank's replay turns itself off and training goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import io
 import math
 import time
@@ -43,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainscout.probe.compiled import compile_wrapper, compiled_in_place, eager_hook, forced_eager
+from trainscout.probe.side_group import JOIN_S, SIDE_BYTES_S, wait_within
 
 REPLAY_PG_INDEX = -3
 _NOT_CALLED = -2  # header: the layer's hook did not run on the source (-1: its input cannot be sent)
@@ -52,32 +49,17 @@ MAX_STRETCH = 50  # a budgeted interval is at most this many times `every`
 _PACKED = -4  # header: the input is a whole call (positional and keyword arguments), sent as bytes
 _HEADER = 13  # ndim, dtype, up to 10 dims, the next interval
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
-# The replicas reach a replay within milliseconds of each other: the job's gradient reduction just synchronised
-# them, and all do the same optimizer step and checks since. Seconds apart, one of them is elsewhere.
-JOIN_S = 3.0
-SIDE_BYTES_S = 50e6  # the slowest side link assumed for a large input's transfer, on top of JOIN_S
-
-
-class ReplicasApart(RuntimeError):
-    """A replay broadcast was not joined by every replica in time."""
 
 
 def bounded(broadcast: Callable, slack_s: Callable[[], float] = lambda: 0.0) -> Callable:
     """`broadcast` that waits at most JOIN_S (+ slack_s(), + the transfer time of the tensor) for every replica,
-    then raises ReplicasApart. The unfinished broadcast stays queued on the side group, which is not used again."""
+    then raises PeerAbsent (side_group.py)."""
 
     def call(tensor, src: int, group) -> None:
         work = broadcast(tensor, src=src, group=group, async_op=True)
-        if work is None:
-            return
-        limit = JOIN_S + slack_s() + tensor.numel() * tensor.element_size() / SIDE_BYTES_S
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=limit))
-        except RuntimeError as exc:
-            raise ReplicasApart(
-                f"a replica did not join the replay within {limit:.1f} s (its optimizer steps no longer match "
-                f"its peers': the job skipped or repeated a step there, or it is stopped): {exc}"
-            ) from exc
+        if work is not None:
+            limit = JOIN_S + slack_s() + tensor.numel() * tensor.element_size() / SIDE_BYTES_S
+            wait_within(work, limit, "the replay")
 
     return call
 
