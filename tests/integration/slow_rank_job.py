@@ -13,8 +13,11 @@
 - "skip-step": rank 2 skips its optimizer step at step 30 (the job's own bug): its replica's state differs from
   then on, and its optimizer steps are one behind its peers';
 - "repeat-step": rank 1 steps its optimizer twice at step 30: the same, one ahead;
+- "round-robin": from step 30 each rank in turn is held up 30 ms inside its training forward (rank r at the steps
+  where step % world == r: work the script hands round, no rank's fault);
 - "none": nothing.
-Used by tests/integration/test_main_rank_side_work.py, test_slow_optimizer_step.py and
+Used by tests/integration/test_main_rank_side_work.py, test_slow_optimizer_step.py,
+test_uneven_optimizer_steps.py and
 tests/gpu/test_side_work_cuda.py (ranks sharing one GPU, over gloo).
 
     torchrun --nproc-per-node 4 slow_rank_job.py MODE STEPS LOG_PREFIX [cpu|cuda]
@@ -44,8 +47,15 @@ def held_up(module, args):  # "forward" mode: rank 0 slowed inside its training 
         time.sleep(0.3)
 
 
+def in_turn(module, args):  # "round-robin" mode: every rank in turn
+    if module.training and held["step"] >= 30 and held["step"] % dist.get_world_size() == rank:
+        time.sleep(0.03)
+
+
 if mode == "forward" and rank == 0:
     net[2].register_forward_pre_hook(held_up)
+if mode == "round-robin":
+    net[2].register_forward_pre_hook(in_turn)
 if mode == "optimizer" and rank == 2:
     real_step = opt.step
 

@@ -56,6 +56,15 @@ def test_rank_0_held_up_inside_its_forward_is_named(tmp_path):
     assert not [e for e in result.events if e.get("kind") == "main_rank_side_work"], result.describe()
 
 
+def test_every_rank_held_up_in_turn_names_nobody(tmp_path):
+    # each rank 30 ms every 4th step at its own phase: each is a regular progression of spikes, beyond chance
+    # against its peers' spike rates (all began at once), but every rank keeps the same rhythm: no minority
+    result = _run(tmp_path, "round-robin")
+
+    assert result.returncode == 0, result.describe()
+    assert result.findings == [], result.describe()
+
+
 # Rank 0 alone for 6 s (3 hang timeouts) while its peers wait in a barrier: its own work, not a hang.
 LONG_OPTIONS = ("--hang-timeout", "2", "--stall-timeout", "15")
 

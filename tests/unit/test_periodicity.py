@@ -6,7 +6,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainscout.detectors.periodicity import beyond_chance, peers_rate, regular_period
+from trainscout.detectors.periodicity import (
+    beyond_chance,
+    intermittent_period,
+    peers_rate,
+    regular_period,
+    shares_period,
+)
 
 
 def test_regular_spikes_give_their_period():
@@ -130,3 +136,38 @@ def test_the_rate_off_the_progression_is_the_ranks_own_over_its_span():
     assert not beyond_chance(found, max(0.0, off_rate(found, burst)), len(burst), exact=True)
     clean = regular_period([100, 106, 112, 118], 4, exact=True)
     assert off_rate(clean, [100, 106, 112, 118]) == 0.0 and beyond_chance(clean, 0.005, 4, exact=True)
+
+
+def test_a_rank_slow_every_sixth_step_among_quiet_peers_is_named():
+    logs = {2: list(range(100, 125, 6))}
+    found = intermittent_period(2, logs, 3, first_step=20, size=4)
+    assert found is not None and found.period == 6
+
+
+def test_every_rank_slow_every_fourth_step_in_turn_names_none():
+    # the job's rhythm (round-robin work): each rank at its own phase, all from step 100 on
+    logs = {r: list(range(100 + r, 109 + r, 4)) for r in range(4)}
+    logs = {r: [s for s in steps if s <= 108] for r, steps in logs.items()}  # as seen at step 108
+    for rank in range(4):
+        assert intermittent_period(rank, logs, 3, first_step=20, size=4) is None, rank
+    later = {r: list(range(100 + r, 300, 4)) for r in range(4)}
+    for rank in range(4):
+        assert intermittent_period(rank, later, 3, first_step=20, size=4) is None, rank
+
+
+def test_a_peer_on_the_same_rhythm_one_hit_behind_shares_it():
+    found = regular_period([100, 106, 112, 118], 3)
+    assert shares_period(found, [103, 109, 115])  # newest hit still to come
+    assert not shares_period(found, [103, 110, 116])  # other gaps
+    assert not shares_period(found, [60, 66, 72])  # before the span
+    assert shares_period(found, [101, 104, 107, 110, 113, 116])  # every third step: twice the rhythm
+    longer = regular_period([100, 106, 112, 118, 124, 130], 3)
+    assert shares_period(longer, [97, 109, 121])  # every twelfth: every other spike of the rhythm under a threshold
+    assert not shares_period(longer, [97, 109])
+    assert not shares_period(found, [101, 104, 107])  # too few at every third step for the span
+
+
+def test_two_ranks_of_six_on_one_rhythm_are_still_a_minority():
+    logs = {1: list(range(100, 125, 6)), 4: list(range(102, 127, 6))}
+    assert intermittent_period(1, {1: logs[1], 4: logs[4][:-1]}, 3, first_step=20, size=6) is not None
+    assert intermittent_period(1, logs, 3, first_step=20, size=4) is None  # two of four: no majority left

@@ -108,16 +108,49 @@ def off_rate(found: Period, spikes: Iterable[int]) -> float:
 
 
 def intermittent_period(
-    rank: int, logs: Mapping[int, Sequence[int]], min_hits: int, first_step: int, exact: bool = False
+    rank: int,
+    logs: Mapping[int, Sequence[int]],
+    min_hits: int,
+    first_step: int,
+    size: int,
+    exact: bool = False,
+    rhythm_logs: Mapping[int, Iterable[int]] | None = None,
 ) -> Period | None:
     """The period of the progression ending at the rank's newest spike, if spikes at random could hardly have
-    made it: at its peers' rate over its span, or at its own rate off it where that is higher."""
+    made it (at its peers' rate over its span, or at its own rate off it where that is higher) and the ranks
+    keeping its rhythm are a strict minority of the `size` ranks compared (C3). A peer's rhythm is looked for
+    in `rhythm_logs` where given (smaller spikes too: the same delay reaches a threshold on some steps and
+    not on others), else in `logs`."""
     spikes = logs[rank]
     found = regular_period(spikes, min_hits, exact=exact, ending_at=spikes[-1])
     if found is None:
         return None
     rate = max(peers_rate(rank, logs, found.hits[-1], first_step, span_start=found.hits[0]), off_rate(found, spikes))
-    return found if beyond_chance(found, rate, min(len(spikes), LOOKBACK), exact) else None
+    if not beyond_chance(found, rate, min(len(spikes), LOOKBACK), exact):
+        return None
+    peers = logs if rhythm_logs is None else rhythm_logs
+    sharing = 1 + sum(1 for r, steps in peers.items() if r != rank and shares_period(found, steps, exact))
+    return found if 2 * sharing < size else None
+
+
+def shares_period(found: Period, spikes: Iterable[int], exact: bool = False) -> bool:
+    """Whether a peer's spikes over `found`'s span keep the same rhythm: a progression of the same period, or
+    of a divisor or twice it (where every other spike of one of the two stayed under the threshold), with at
+    least half as many hits as `found` has, scaled to that period (a delay near a threshold reaches it on some
+    steps only), and never fewer than 3 or one short of `found`'s (a peer at another phase has its newest hit
+    up to a period later), filling its slots as any progression must. Every rank of a job slow every Nth step
+    in turn (each at its own phase: round-robin work, loader workers refilling) is the job's rhythm, not one
+    rank's fault; judged against its peers' spike rates alone, each rank's progression was beyond chance once
+    the rhythm began on all at once."""
+    period = found.period
+    start, end = found.hits[0] - period, found.hits[-1]
+    mine = sorted({s for s in spikes if start <= s <= end})
+    periods = [period, 2 * period] + [period // k for k in (2, 3) if period % k == 0 and period // k >= MIN_PERIOD]
+    for p in periods:
+        need = max(min(3, len(found.hits) - 1), math.ceil(len(found.hits) / 2 * period / p))
+        if any(_progression(mine, anchor, p, need, exact) is not None for anchor in mine):
+            return True
+    return False
 
 
 def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False) -> bool:

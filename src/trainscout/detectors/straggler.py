@@ -371,7 +371,7 @@ class StragglerDetector(DetectorBase):
                     f = self._persistent(r, metric, hist, self.k, "")
                     if f is not None:
                         out.append(f)
-            f = self._intermittent(r, metric) if r in spikes else None
+            f = self._intermittent(r, metric, len(samples)) if r in spikes else None
             if f is not None:
                 out.append(f)
         fine_outliers = False
@@ -601,13 +601,13 @@ class StragglerDetector(DetectorBase):
             },
         )
 
-    def _intermittent(self, rank, metric) -> Finding | None:
+    def _intermittent(self, rank, metric, size: int) -> Finding | None:
         key = (rank, metric.label, "intermittent")
         if key in self._reported or (rank, metric.label, "persistent") in self._reported:
             return None  # a rank named slow at every step is not news when it is also slow at some
         logs = self._flag_log.get(metric.label, {})
         # not regular, or (nearly) every step (the persistent rule's case), or as likely by chance (periodicity.py)
-        found = intermittent_period(rank, logs, self.intermittent_min, WARMUP_STEPS)
+        found = intermittent_period(rank, logs, self.intermittent_min, WARMUP_STEPS, size)
         if found is None:
             return None
         self._reported.add(key)

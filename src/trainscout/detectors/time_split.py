@@ -441,10 +441,12 @@ class PartWatch:
                 continue
             found, need, log, exact = None, p.intermittent_min, self._spike_log, False
             if big:
-                found = intermittent_period(r, log, need, self._first_step)
+                found = intermittent_period(r, log, need, self._first_step, len(values), rhythm_logs=self._small_log)
             if found is None and p.small_intermittent_min:
                 need, log, exact = p.small_intermittent_min, self._small_log, True
-                found = intermittent_period(r, log, need, self._first_step, exact=True)
+                found = intermittent_period(
+                    r, log, need, self._first_step, len(values), exact=True, rhythm_logs=self._small_log
+                )
                 if found is not None and excess < SMALL_INTERMITTENT_MIN_COST * found.period * wall:
                     found = None  # too small and too rare to cost the job anything: not a fault worth naming
             if found is None:
