@@ -38,3 +38,13 @@ def test_a_finished_launcher_without_a_code_is_not_waited_for():
     det = ExitDetector(settle_s=1.0, launcher_code_wait_s=3.0)
     (f,) = det.update(101.5, _segv_then_collateral(), {}, launcher_done=True)
     assert f.culprit_ranks == [2]
+
+
+def test_a_rank_that_aborts_in_teardown_after_its_script_ended_is_named_so():
+    # torch 2.13's gloo teardown now and then aborts rank 0 after the script's sys.exit(0), with or without
+    # trainscout ("terminate called without an active exception"); the launcher then stops the others
+    ranks = {r: obs(r, [pg(45)], exit=_exit("exit", 0, msg="sys.exit(0)", step=300), seen_at=100.0) for r in WORLD}
+    (f,) = ExitDetector(settle_s=1.0).update(103.0, ranks, {0: -6, 1: -15, 2: -15, 3: -15}, launcher_done=True)
+    assert (f.kind, f.culprit_ranks, f.evidence["signal"]) == ("crash", [0], "SIGABRT")
+    assert "after its script ended (sys.exit(0))" in f.summary and "teardown" in f.summary, f.summary
+    assert "the other 3 rank(s) had ended too" in f.summary, f.summary

@@ -222,13 +222,22 @@ class ExitDetector(DetectorBase):
             cause = e.message
         elif e.how == "vanished" and not sig:
             cause = "it vanished without an exit record (killed, e.g. SIGKILL / OOM killer, or crashed hard)"
+        elif e.how == "exit" and sig:
+            # its own exit record says the script ended; the signal came later, in interpreter teardown (torch
+            # 2.13's gloo teardown aborts rank 0 now and then, with or without trainscout)
+            cause = (
+                f"after its script ended ({e.message}), in interpreter teardown (exit handlers, library "
+                "destructors), not in training"
+            )
         else:
             cause = e.message
         culprits = sorted(o.rank for o in roots)
         after = [o for o in exited if o.rank not in culprits]
         lead = who(first) if len(roots) == 1 else rank_list(culprits)
         summary = f"{lead} died first ({how}) at step {e.step}: {cause}"
-        if after:
+        if after and all(_exit(o).how == "exit" and _exit(o).code in (0, None) for o in after):
+            summary += f"; the other {len(after)} rank(s) had ended too"
+        elif after:
             summary += f"; {len(after)} rank(s) failed after it"
         return Finding(
             kind=CRASH,
