@@ -7,39 +7,15 @@ for it. Held up as long inside its training forward, rank 0 is named.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from slow_rank_run import run_slow_rank_job
 
-JOB = Path(__file__).resolve().parents[1] / "integration" / "slow_rank_job.py"
 STEPS = 120
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
-    run_id = f"side-work-cuda-{mode}"
-    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id]
-    cmd += ["--console", "plain", "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-    cmd += ["--master-port", str(_port()), str(JOB), mode, str(STEPS), str(tmp_path / "eval.log"), "cuda"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ))
-    run = tmp_path / run_id
-
-    def lines(name: str) -> list[dict]:
-        path = run / name
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-    return done, lines("findings.jsonl"), lines("events.jsonl")
+def _run(tmp_path, mode: str):
+    return run_slow_rank_job(tmp_path, mode, STEPS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

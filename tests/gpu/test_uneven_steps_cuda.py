@@ -8,39 +8,21 @@ group's one-minute timeout and a hang on trainscout's own group was named beside
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from slow_rank_run import run_slow_rank_job
 
-JOB = Path(__file__).resolve().parents[1] / "integration" / "slow_rank_job.py"
 SIDE_GROUP_TIMEOUT_S = 60.0
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_replica_that_skips_an_optimizer_step_on_the_gpu_is_named_and_the_job_goes_on(tmp_path):
-    run_id = "uneven-steps-cuda"
-    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id]
-    cmd += ["--console", "plain", "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-    cmd += ["--master-port", str(_port()), str(JOB), "skip-step", "90", str(tmp_path / "log"), "cuda"]
-    env = dict(os.environ, TRAINSCOUT_REPLAY_EVERY="10", TRAINSCOUT_REPLAY_BUDGET="0")
     t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    env = {"TRAINSCOUT_REPLAY_EVERY": "10", "TRAINSCOUT_REPLAY_BUDGET": "0"}  # a replay every 10 steps
+    done, findings, _ = run_slow_rank_job(tmp_path, "skip-step", 90, env=env)
     elapsed = time.monotonic() - t0
-    path = tmp_path / run_id / "findings.jsonl"
-    findings = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     said = done.stdout[-3000:] + done.stderr[-3000:]
 
     assert done.returncode == 0, said
