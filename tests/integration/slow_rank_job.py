@@ -9,7 +9,12 @@
 - "long-eval": at step 20 rank 0 alone evaluates for LONG_S while the others wait in a barrier (likewise);
 - "long-compile": at step 20 rank 0 alone compiles a new graph (torch.compile, a backend taking LONG_S) while the
   others wait in a barrier (a rank meeting a new shape first);
+- "long-prep": at step 20 rank 0 alone tokenizes text in plain Python for LONG_S while the others wait in a
+  barrier (Hugging Face's `main_process_first`: no forward, save or compilation; likewise not a hang);
 - "stuck-save": rank 0's save at step 20 never ends (storage gone): a hang, once it outlasts the stall timeout;
+- "buffer-hang": the model holds a BatchNorm (DDP broadcasts its buffers from rank 0 before every forward) and
+  rank 2 sleeps for good after its step 20: rank 0 waits in that broadcast, ranks 1 and 3 got their copy and
+  wait in the gradient all-reduce, rank 2 entered neither;
 - "skip-step": rank 2 skips its optimizer step at step 30 (the job's own bug): its replica's state differs from
   then on, and its optimizer steps are one behind its peers';
 - "repeat-step": rank 1 steps its optimizer twice at step 30: the same, one ahead;
@@ -24,6 +29,7 @@ tests/gpu/slow_rank_run.py (test_side_work_cuda.py, test_uneven_steps_cuda.py: r
 """
 
 import io
+import json
 import sys
 import time
 
@@ -36,7 +42,10 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(device)
+net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+if mode == "buffer-hang":
+    net.append(torch.nn.BatchNorm1d(8))
+net = net.to(device)
 model = torch.nn.parallel.DistributedDataParallel(net)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 held = {"step": 0}
@@ -84,7 +93,8 @@ class SlowStorage(io.RawIOBase):
 
 
 def rank_0_alone(log):
-    """long-save / long-eval / long-compile / stuck-save: rank 0 works alone, its peers wait in a barrier."""
+    """long-save / long-eval / long-compile / long-prep / stuck-save: rank 0 works alone, its peers wait in a
+    barrier."""
     if rank == 0 and mode in ("long-save", "stuck-save"):
         seconds = LONG_S if mode == "long-save" else 3600.0
         torch.save(model.module.state_dict(), SlowStorage(f"{log_prefix}.ckpt", seconds))
@@ -95,6 +105,11 @@ def rank_0_alone(log):
             return graph.forward
 
         torch.compile(model.module, backend=slow_backend)(torch.randn(4, 64, device=device))
+    if rank == 0 and mode == "long-prep":
+        words, vocab, t0 = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"] * 20, {}, time.perf_counter()
+        while time.perf_counter() - t0 < LONG_S:
+            texts = [" ".join(words[(i * 7 + k) % len(words)] for k in range(50)) for i in range(100)]
+            json.dumps([[vocab.setdefault(w, len(vocab)) for w in t.upper().split()] for t in texts])
     if rank == 0 and mode == "long-eval":
         model.eval()
         with torch.no_grad():
@@ -138,7 +153,10 @@ with open(f"{log_prefix}.{rank}", "w") as log:
         opt.zero_grad()
         if mode == "eval" and rank == 0 and step % 10 == 0:
             evaluate(log)
-        if mode in ("long-save", "long-eval", "long-compile", "stuck-save") and step == 20:
+        if mode in ("long-save", "long-eval", "long-compile", "long-prep", "stuck-save") and step == 20:
             rank_0_alone(log)
+        if mode == "buffer-hang" and rank == 2 and step == 20:
+            while True:
+                time.sleep(3600)
         time.sleep(0.01)
 dist.destroy_process_group()

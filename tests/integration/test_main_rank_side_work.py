@@ -71,7 +71,12 @@ LONG_OPTIONS = ("--hang-timeout", "2", "--stall-timeout", "15")
 
 @pytest.mark.parametrize(
     ("mode", "doing"),
-    [("long-save", "writing a checkpoint"), ("long-eval", "running forward"), ("long-compile", "compiling")],
+    [
+        ("long-save", "writing a checkpoint"),
+        ("long-eval", "running forward"),
+        ("long-compile", "compiling"),
+        ("long-prep", "running code of its own"),
+    ],
 )
 def test_rank_0_working_alone_past_the_hang_timeout_is_no_hang(tmp_path, mode, doing):
     launch = torchrun_cmd(
@@ -99,3 +104,16 @@ def test_a_save_that_never_ends_is_a_hang_after_the_stall_timeout(tmp_path):
     inside = hangs[0]["evidence"]["inside"]["0"]  # "writing a checkpoint for 16 s"
     assert inside.startswith("writing a checkpoint for "), result.describe()
     assert 15 <= int(inside.split()[-2]) < 35, result.describe()  # after the stall timeout, not the hang timeout
+
+
+def test_a_rank_asleep_while_its_peers_wait_in_a_buffer_broadcast_or_past_it_is_named(tmp_path):
+    # rank 0 waits in DDP's buffer broadcast (its root), ranks 1 and 3 wait one collective on: no strict majority
+    # waits in one collective, but 3 of 4 entered the broadcast and rank 2 did not
+    launch = torchrun_cmd(
+        "--nproc-per-node", "4", "--master-port", str(free_port()), str(JOB), "buffer-hang", "40", str(tmp_path / "j")
+    )
+    options = ("--hang-timeout", "3", "--abort-on", "hang")
+    result = run_under_trainscout(tmp_path, "buffer-hang", launch, options=options)
+
+    assert [(f["kind"], f["culprit_ranks"]) for f in result.findings] == [("hang", [2])], result.describe()
+    assert result.findings[0]["collective"] == "broadcast", result.describe()

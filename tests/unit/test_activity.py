@@ -44,3 +44,93 @@ def test_every_dynamo_compilation_is_marked():
     fn(torch.randn(4))  # cached: no compilation
     fn(torch.randn(5))  # a new shape: a recompilation
     assert changes == [BUSY_COMPILE, BUSY_ACTIVE, BUSY_COMPILE, BUSY_ACTIVE]
+
+
+def _moves_while(work, looks: int = 8, every_s: float = 0.1) -> int:
+    """How many looks, after the first, saw a thread running `work` move (progress_ns staying put throughout)."""
+    import threading
+    import time
+
+    header: dict[str, int] = {}
+    activity = Activity(header.__setitem__)
+    stop = threading.Event()
+    started = threading.Event()
+
+    def training_thread():
+        activity.forward()  # the thread that runs forwards is the one looked at
+        started.set()
+        while not stop.is_set():
+            work(stop)
+
+    thread = threading.Thread(target=training_thread, daemon=True)
+    thread.start()
+    started.wait(5)
+    marks = set()
+    for _ in range(looks + 1):
+        time.sleep(every_s)
+        activity.look(progress_ns=42)
+        marks.add(header.get("moving_ns"))
+    moves = len(marks - {None})
+    stop.set()
+    _stopped.append(1)
+    thread.join(5)
+    _stopped.clear()
+    return moves
+
+
+def _tokenize(stop):
+    import json
+
+    words = ["alpha", "beta", "gamma", "delta"] * 20
+    texts = [" ".join(words[(i + k) % len(words)] for k in range(40)) for i in range(50)]
+    vocab: dict[str, int] = {}
+    json.dumps([[vocab.setdefault(w, len(vocab)) for w in t.upper().split()] for t in texts])
+
+
+def _write(stop):
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile() as fh:
+        while not stop.is_set():
+            fh.write(os.urandom(4096))
+            fh.flush()
+            stop.wait(0.01)
+
+
+def _sleep(stop):
+    stop.wait(10)
+
+
+def _spin(stop):
+    x = 0
+    while not _stopped:  # one function, no call: a spin (a loop calling functions of its own looks like work)
+        x += 1
+
+
+_stopped: list[int] = []
+
+
+def _poll(stop):
+    import os
+
+    while not os.path.exists("/nonexistent/ready") and not stop.is_set():
+        stop.wait(0.01)
+
+
+def test_a_training_thread_working_on_its_own_moves_and_a_stuck_one_does_not():
+    # work of its own between collectives: computing in varied code, or reading and writing bytes
+    assert _moves_while(_tokenize) >= 2
+    assert _moves_while(_write) >= 6
+    # asleep (or blocked), spinning on one line, polling for something that never comes: no move
+    assert _moves_while(_sleep) == 0
+    assert _moves_while(_spin) == 0
+    assert _moves_while(_poll) == 0
+
+
+def test_a_look_after_progress_only_sets_a_new_baseline():
+    header: dict[str, int] = {}
+    activity = Activity(header.__setitem__)
+    for progress in range(5):  # a collective between every two looks: nothing to judge
+        activity.look(progress_ns=progress)
+    assert "moving_ns" not in header

@@ -9,7 +9,7 @@ from trainscout.detectors.exits import ExitDetector
 from trainscout.detectors.interface import MAX_BACKLOG_S, JobView
 from trainscout.detectors.nonfinite import NonFiniteDetector
 from trainscout.detectors.observations import RankObs
-from trainscout.detectors.progress import HangDetector
+from trainscout.detectors.progress import OWN_CODE, HangDetector
 from trainscout.detectors.replay import ReplayDetector
 from trainscout.detectors import state as state_module
 from trainscout.detectors.state import ReplicaStateDetector, verified_step
@@ -260,6 +260,49 @@ def test_hang_vote_waits_for_a_rank_saving_compiling_or_evaluating_alone():
     assert s.finding.culprit_ranks == [2] and "inside" not in s.finding.evidence
     (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, job(BUSY_IDLE, 0.0))
     assert s.finding.culprit_ranks == [2]
+
+
+def test_hang_vote_waits_for_a_rank_running_code_of_its_own_while_its_stack_keeps_changing():
+    """Rank 2 prepares the data alone (no forward, save or compilation: plain Python): no hang while its training
+    thread's stack keeps changing, until it has issued no collective for the stall timeout."""
+
+    def job(moving_age: float, progress_age: float = 8.0):
+        return {
+            r: obs(
+                r,
+                [pg(45 if r != 2 else 44)],
+                progress_age=progress_age,
+                **({"moving_age_s": moving_age} if r == 2 else {}),
+            )
+            for r in WORLD
+        }
+
+    detector = HangDetector(hang_timeout_s=5.0, stall_timeout_s=60.0)
+    assert detector.update(100.0, job(0.4)) == []
+    assert detector.waiting_on_work == {2: OWN_CODE}
+    (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=60.0).update(100.0, job(5.5))  # it stopped moving
+    assert s.finding.culprit_ranks == [2] and "inside" not in s.finding.evidence
+    (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=60.0).update(100.0, job(0.4, progress_age=61.0))
+    assert (s.finding.culprit_ranks, s.finding.evidence["inside"]) == ([2], {"2": f"{OWN_CODE} for 61 s"})
+
+
+def test_hang_vote_is_on_the_furthest_collective_a_strict_majority_entered():
+    """DDP broadcasts buffers from rank 0 before each forward: with rank 2 stopped after its step, rank 0 waits
+    in the broadcast (#126), ranks 1 and 3 got their copy and wait in the gradient all-reduce (#127)."""
+
+    def job(seqs: dict[int, int]):
+        members = sorted(seqs)
+        return {r: obs(r, [pg(s, members=members)], progress_age=6.0) for r, s in seqs.items()}
+
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, job({0: 126, 1: 127, 2: 125, 3: 127}))
+    f = s.finding
+    assert (f.kind, f.culprit_ranks, f.collective_seq, f.status) == ("hang", [2], 126, "attributed")
+    assert sorted(f.evidence["waiting_ranks"]) == [0, 1, 3]
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, job({0: 5, 1: 4, 2: 3}))
+    assert (s.finding.culprit_ranks, s.finding.collective_seq) == ([2], 4)
+    # two against two: no majority entered anything the others did not
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, job({0: 127, 1: 127, 2: 125, 3: 125}))
+    assert (s.finding.status, s.finding.culprit_ranks) == ("inconclusive", [])
 
 
 def test_no_inconclusive_hang_while_a_majority_compiles_behind_one_rank():

@@ -535,6 +535,7 @@ class RankView:
             progress_age_s=(now - progress_ns) / 1e9,
             busy=int(h["busy"]),
             busy_age_s=(now - int(h["busy_ns"])) / 1e9,
+            moving_age_s=(now - int(h["moving_ns"])) / 1e9 if int(h["moving_ns"]) else 1e9,
             collectives=int(h["collectives"]),
             pgs=pgs,
             exit=exit_,

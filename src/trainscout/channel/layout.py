@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-MAGIC = 0x5453434F55540003  # "TSCOUT" + layout version 3
+MAGIC = 0x5453434F55540004  # "TSCOUT" + layout version 4
 RING_SLOTS = 4096
 DESC_BYTES = 120
 ERROR_PG_INDEX = -6  # ring records with this pg index are the probe's internal errors, in order
@@ -40,6 +40,7 @@ HEADER_DTYPE = np.dtype(
         ("disabled_checks", "<i8"),  # bitmask of checks that failed and were turned off (fail open)
         ("dropped", "<i8"),  # records the Flight Recorder overwrote before the probe read them
         ("sig_mismatch", "<i8"),  # Python-path signatures that differed from the Flight Recorder's (self-check)
+        ("moving_ns", "<i8"),  # monotonic time the training thread's stack last changed between collectives
         # written by the training thread (optimizer step hook)
         ("step", "<i8"),
         ("step_ns", "<i8"),

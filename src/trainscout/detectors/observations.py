@@ -38,6 +38,9 @@ class RankObs:
     def busy_age(self, now: float) -> float:
         return self.age(self.state.busy_age_s, now)
 
+    def moving_age(self, now: float) -> float:
+        return self.age(self.state.moving_age_s, now)
+
     def heartbeat_age(self, now: float) -> float:
         return self.age(self.state.heartbeat_age_s, now)
 

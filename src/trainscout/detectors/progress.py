@@ -2,7 +2,9 @@
 
 When no live rank has made progress for `hang_timeout_s`, each process group's members are compared by
 the sequence number of the last collective they issued. The members behind a strict majority never
-entered the collective the majority waits in: they are the culprits (C3 exact vote). A rank behind in
+entered the collective the majority waits in: they are the culprits (C3 exact vote). Where no majority waits in
+one collective, the vote is on the furthest collective a strict majority has entered (a broadcast's receivers
+move on while its root waits). A rank behind in
 one group but ahead in another waits in a different group than its peers: a process-group desync.
 A job-wide pause (checkpoint save) leaves every member at the same sequence number: no finding, unless
 it lasts `stall_timeout_s`, and then the finding blames nobody. A job whose processes are stopped whole (most
@@ -10,9 +12,10 @@ ranks' probe threads silent too: SIGSTOP of the job, a suspended job, a paused V
 catches ranks wherever they were, and those caught in their compute would look like the culprits.
 
 Ranks behind because they do work of their own (rank 0 saving a checkpoint or evaluating alone while the others
-wait in a barrier, a rank compiling a new graph: markers.BUSY_*) are not hung: the vote waits while every rank
-behind is inside a save or compilation, up to `stall_timeout_s`, or ran a forward pass more recently than
-`hang_timeout_s` ago; a rank stuck anywhere, inside a forward included, is named as before.
+wait in a barrier, a rank compiling a new graph: markers.BUSY_*; rank 0 preparing the data alone: any code) are
+not hung: the vote waits while every rank behind is inside a save or compilation, up to `stall_timeout_s`, ran a
+forward pass more recently than `hang_timeout_s` ago, or had its training thread's stack change that recently (up
+to `stall_timeout_s` without a collective); a rank stuck anywhere, inside a forward included, is named as before.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from trainscout.findings import DESYNC, HANG, STALL, Finding
 from trainscout.markers import BUSY_ACTIVE, BUSY_WHAT, PROBE_GROUP_ROLE
 
 HANG_TIMEOUT_S, STALL_TIMEOUT_S = RUN.hang_timeout, RUN.stall_timeout
+# a rank whose training thread's stack keeps changing between collectives (probe/activity.py: look)
+OWN_CODE = "running code of its own"
 
 
 @dataclass
@@ -64,7 +69,11 @@ class HangDetector(DetectorBase):
     def own_work(self, o: RankObs, now: float) -> str | None:
         """What a rank behind its peers is doing of its own, if it is still doing it (None: nothing known)."""
         limit = self.hang_timeout_s if o.state.busy == BUSY_ACTIVE else self.stall_timeout_s
-        return BUSY_WHAT.get(o.state.busy) if o.busy_age(now) < limit else None
+        if o.state.busy in BUSY_WHAT and o.busy_age(now) < limit:
+            return BUSY_WHAT[o.state.busy]
+        if o.moving_age(now) < self.hang_timeout_s and o.progress_age(now) < self.stall_timeout_s:
+            return OWN_CODE
+        return None
 
     def _waits_on_work(self, now: float, live: dict[int, RankObs], ranks) -> bool:
         """True (and noted) when every one of `ranks` is busy with work of its own: the vote waits."""
@@ -104,7 +113,13 @@ class HangDetector(DetectorBase):
             waiting.update(r for r, s in seqs.items() if s > lowest)
             verdict = vote_exact(seqs)
             if verdict.status != "attributed":
-                unattributed.append((name, seqs))
+                entered = _entered_by_majority(seqs)
+                if entered is None:
+                    unattributed.append((name, seqs))
+                    continue
+                for r, s in seqs.items():
+                    if s < entered:
+                        behind.setdefault(r, []).append((name, entered))
                 continue
             majority = verdict.majority_value
             for r in verdict.outliers:
@@ -167,6 +182,9 @@ class HangDetector(DetectorBase):
             for r in culprits
             if live[r].state.busy in BUSY_WHAT and live[r].state.busy != BUSY_ACTIVE
         }
+        for r in culprits:  # ... and work of its own in any other code, likewise
+            if str(r) not in inside and live[r].moving_age(now) < self.hang_timeout_s:
+                inside[str(r)] = f"{OWN_CODE} for {live[r].progress_age(now):.0f} s"
         if inside:
             evidence["inside"] = inside
         if cross:
@@ -264,6 +282,17 @@ def _groups(ranks: dict[int, RankObs], live: dict[int, RankObs]):
             )
         if len(seqs) >= 2 or exited is not None:
             yield name, members, seqs, exited
+
+
+def _entered_by_majority(seqs: dict[int, int]) -> int | None:
+    """The furthest collective a strict majority of the members has entered, when some members never entered it.
+
+    The majority need not wait in one collective: a broadcast's receivers leave it once their copy arrived while
+    its root still waits for a member that never joined (DDP's buffer broadcast before each forward: root at #k,
+    receivers on at #k+1, the hung rank at #k-1). The vote is on "entered #k", exact C3 all the same."""
+    ordered = sorted(seqs.values(), reverse=True)
+    entered = ordered[len(ordered) // 2]  # at least len // 2 + 1 members hold this or more
+    return entered if ordered[-1] < entered else None
 
 
 def _seq(o: RankObs, name: str) -> int:

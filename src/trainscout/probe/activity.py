@@ -14,11 +14,23 @@ finding of the first step. The probe therefore writes what the rank is busy with
 
 A rank stuck inside a forward, in a loop of its own or asleep is ACTIVE since the moment it stopped, which ages
 like its peers' wait: it is named as before. Two 8-byte stores a forward (~0.4 us).
+
+Work of its own needs no forward, save or compilation: rank 0 tokenizing the dataset while the others wait in a
+barrier (`main_process_first` in Hugging Face scripts), computing metrics in Python, downloading weights. The
+publisher thread therefore looks at the training thread each tick while the rank issues no collective, and writes
+`moving_ns` when, since the last look, it read or wrote bytes (its own I/O counters), or its stack (the code
+objects of its frames) changed while it computed (its own CPU time grew by a tenth of the time between looks). A
+rank asleep, blocked on a lock or a dead socket, spinning in one function (CPU, one stack), or polling for
+something that never comes (a changing stack, no CPU, no I/O) is named as before. (A look lands where the training
+thread lets go of the GIL, in a tight loop always at the same place: a loop over a few lines of one function reads
+as a spin.) A look costs ~20 us, only on ticks without progress.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 
 from trainscout.markers import BUSY_ACTIVE, BUSY_COMPILE, BUSY_IDLE
@@ -29,12 +41,33 @@ class Activity:
         self._set = set_field  # the channel writer's header store
         self._inside = BUSY_IDLE  # the outermost save or compilation in progress
         self._pid = os.getpid()  # a forked DataLoader worker shares the header: it marks nothing
+        main = threading.main_thread()
+        self.thread: int = main.ident or 0  # the training thread: the one that runs forwards (ident, native id)
+        self._native: int = main.native_id or 0
+        self._progress_seen = -1  # progress_ns at the last look; the stack and I/O then (None: not looked yet)
+        self._seen: tuple | None = None  # (code stack, I/O bytes, CPU ns, monotonic ns)
 
     def forward(self, *_args) -> None:
         """A forward pre-hook: the rank ran a forward pass now (unless a save or compilation is in progress)."""
+        if self.thread != threading.get_ident():
+            self.thread, self._native = threading.get_ident(), threading.get_native_id()
         if self._inside == BUSY_IDLE:
             self._set("busy_ns", time.monotonic_ns())
             self._set("busy", BUSY_ACTIVE)
+
+    def look(self, progress_ns: int) -> None:
+        """Publisher thread, each tick: while progress_ns stays put, note when the training thread moves on its own."""
+        if progress_ns != self._progress_seen:  # it issued a collective since: no look needed, a new baseline
+            self._progress_seen, self._seen = progress_ns, None
+            return
+        now = time.monotonic_ns()
+        seen = (_code_stack(sys._current_frames().get(self.thread)), _io_bytes(self._native), _cpu_ns(self.thread), now)
+        last, self._seen = self._seen, seen
+        if last is None:
+            return
+        computed = seen[2] - last[2] >= (now - last[3]) // 10
+        if seen[1] != last[1] or computed and seen[0] != last[0]:
+            self._set("moving_ns", now)
 
     def enter(self, what: int) -> bool:
         """Begin a save or compilation; False when one is already in progress (only the outermost counts)."""
@@ -66,3 +99,31 @@ class Activity:
 
         callback_handler.register_start_callback(started)
         callback_handler.register_end_callback(ended)
+
+
+def _code_stack(frame, depth: int = 64) -> tuple[int, ...]:
+    """The code objects of a thread's innermost frames: the same while it sleeps, blocks or loops on one line; a
+    loop over work of its own calls other functions between looks (a line number would move in any loop)."""
+    codes: list[int] = []
+    while frame is not None and len(codes) < depth:
+        codes.append(id(frame.f_code))
+        frame = frame.f_back
+    return tuple(codes)
+
+
+def _io_bytes(native_id: int) -> int:
+    """Bytes a thread has read and written (files, pipes, sockets), from its own /proc counters (0: unreadable)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/io", "rb") as fh:
+            fields = fh.read().split()
+        return int(fields[1]) + int(fields[3])  # rchar, wchar
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _cpu_ns(ident: int) -> int:
+    """A thread's CPU time so far (0: unreadable)."""
+    try:
+        return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+    except (OSError, TypeError, ValueError, OverflowError):
+        return 0

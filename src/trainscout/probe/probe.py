@@ -86,7 +86,7 @@ class Probe:
             lambda: self.step,
             tick_s=cfg.probe.tick_s,
             buffer_entries=_env_number("TORCH_FR_BUFFER_SIZE", 256),
-            on_tick=self._read_requests,  # the publisher thread starts in start(), once every part exists
+            on_tick=self._on_tick,  # the publisher thread starts in start(), once every part exists
         )
         # the one late binding: the tap and the publisher need each other (records of synchronous collectives)
         self.tap.record_sync = self.publisher.record_sync
@@ -284,6 +284,10 @@ class Probe:
             self.publisher,
         )
         return [p for p in candidates if p is not None]
+
+    def _on_tick(self) -> None:
+        self.activity.look(int(self.writer.header["progress_ns"]))
+        self._read_requests()
 
     def _read_requests(self) -> None:
         if self.link_probe is not None and self._side_group is not None:
