@@ -19,11 +19,17 @@ def _port() -> int:
 
 
 def run_slow_rank_job(
-    tmp_path: Path, mode: str, steps: int, device: str = "cuda", env: dict[str, str] | None = None
+    tmp_path: Path,
+    mode: str,
+    steps: int,
+    device: str = "cuda",
+    env: dict[str, str] | None = None,
+    options: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
-    """(the finished `trainscout run`, its findings, its events) for one MODE of the job."""
+    """(the finished `trainscout run`, its findings, its events) for one MODE of the job; `options` go to
+    `trainscout run`."""
     run_id = f"slow-rank-{mode}-{device}"
-    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id]
+    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", run_id, *options]
     cmd += ["--console", "plain", "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
     cmd += ["--master-port", str(_port()), str(JOB), mode, str(steps), str(tmp_path / "job.log"), device]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, **(env or {})})
