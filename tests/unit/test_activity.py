@@ -93,7 +93,7 @@ def _write(stop):
 
     with tempfile.TemporaryFile() as fh:
         while not stop.is_set():
-            fh.write(os.urandom(4096))
+            fh.write(os.urandom(16384))
             fh.flush()
             stop.wait(0.01)
 
@@ -118,6 +118,16 @@ def _poll(stop):
         stop.wait(0.01)
 
 
+def _poll_logging(stop):
+    import tempfile
+
+    with tempfile.TemporaryFile() as fh:  # a wait that says so every 10 ms: a log line is no work
+        while not stop.is_set():
+            fh.write(b"still waiting for /nonexistent/ready\n" * 2)
+            fh.flush()
+            stop.wait(0.01)
+
+
 def test_a_training_thread_working_on_its_own_moves_and_a_stuck_one_does_not():
     # work of its own between collectives: computing in varied code, or reading and writing bytes
     assert _moves_while(_tokenize) >= 2
@@ -126,6 +136,7 @@ def test_a_training_thread_working_on_its_own_moves_and_a_stuck_one_does_not():
     assert _moves_while(_sleep) == 0
     assert _moves_while(_spin) == 0
     assert _moves_while(_poll) == 0
+    assert _moves_while(_poll_logging) == 0
 
 
 def test_a_look_after_progress_only_sets_a_new_baseline():

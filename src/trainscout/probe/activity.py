@@ -18,12 +18,12 @@ like its peers' wait: it is named as before. Two 8-byte stores a forward (~0.4 u
 Work of its own needs no forward, save or compilation: rank 0 tokenizing the dataset while the others wait in a
 barrier (`main_process_first` in Hugging Face scripts), computing metrics in Python, downloading weights. The
 publisher thread therefore looks at the training thread each tick while the rank issues no collective, and writes
-`moving_ns` when, since the last look, it read or wrote bytes (its own I/O counters), or its stack (the code
+`moving_ns` when, since the last look, it read or wrote 64 KiB (its own I/O counters), or its stack (the code
 objects of its frames) changed while it computed (its own CPU time grew by a tenth of the time between looks). A
 rank asleep, blocked on a lock or a dead socket, spinning in one function (CPU, one stack), or polling for
-something that never comes (a changing stack, no CPU, no I/O) is named as before. (A look lands where the training
-thread lets go of the GIL, in a tight loop always at the same place: a loop over a few lines of one function reads
-as a spin.) A look costs ~20 us, only on ticks without progress.
+something that never comes (a changing stack, no CPU, a log line at most) is named as before. (A look lands where
+the training thread lets go of the GIL, in a tight loop always at the same place: a loop over a few lines of one
+function reads as a spin.) A look costs ~20 us, only on ticks without progress.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ import threading
 import time
 
 from trainscout.markers import BUSY_ACTIVE, BUSY_COMPILE, BUSY_IDLE
+
+
+# I/O since the last look that counts as moving: a download or a cache written, not a warning printed by a loop
+# waiting for something that never comes
+MOVING_IO_BYTES = 64 * 1024
 
 
 class Activity:
@@ -66,7 +71,7 @@ class Activity:
         if last is None:
             return
         computed = seen[2] - last[2] >= (now - last[3]) // 10
-        if seen[1] != last[1] or computed and seen[0] != last[0]:
+        if seen[1] - last[1] >= MOVING_IO_BYTES or computed and seen[0] != last[0]:
             self._set("moving_ns", now)
 
     def enter(self, what: int) -> bool:
