@@ -6,6 +6,8 @@ that must be named exactly (kind, rank, step):
 - Slurm: `trainscout run -- srun python train.py` inside a real allocation of a one-host Slurm
   (.ci/slurm-single-host; skipped where none runs), and srun's tasks as plain processes given the variables
   srun sets (SLURM_PROCID, SLURM_NTASKS, ...), which the bootstrap turns into RANK, WORLD_SIZE, MASTER_ADDR...;
+- no launcher: the script spawns its ranks itself (torch.multiprocessing.spawn, as PyTorch's DDP tutorial does),
+  and each learns its rank in its own init_process_group call;
 - any other launcher (a Kubernetes pod spec): `trainscout coordinator`, a `trainscout agent` per node and ranks
   started as `python -m trainscout.demo.train` with the environment `trainscout rank-env` prints (no torchrun).
 
@@ -61,6 +63,26 @@ def test_deepspeed_launcher_hang_is_named(tmp_path):
     )
     assert "deepspeed.launcher.launch" in result.output, result.describe()  # DeepSpeed's launcher started them
     assert_hang_of_rank_2_named(result)
+
+
+SPAWN_JOB = os.path.join(os.path.dirname(__file__), "spawn_job.py")
+
+
+def test_ranks_spawned_by_the_script_hang_is_named(tmp_path):
+    launch = [PY, SPAWN_JOB, "40", str(free_port())]
+    result = run_under_trainscout(tmp_path, "spawn-hang", launch, ("--inject", HANG, "--abort-on", "hang"))
+    assert_hang_of_rank_2_named(result)
+
+
+def test_ranks_spawned_by_the_script_are_watched_and_a_clean_run_names_nobody(tmp_path):
+    result = run_under_trainscout(tmp_path, "spawn-clean", [PY, SPAWN_JOB, "60", str(free_port())])
+    assert result.returncode == 0, result.describe()
+    assert result.findings == [], result.describe()
+    assert "topology: 4 ranks" in result.output, result.describe()
+    # one probe in each rank, none in the script's own process that spawned them
+    assert sorted(p.name for p in result.run_path.glob("probe-cost.rank*.json")) == [
+        f"probe-cost.rank{r}.json" for r in range(4)
+    ], result.describe()
 
 
 def test_accelerate_launcher_hang_is_named(tmp_path):

@@ -716,16 +716,19 @@ def _env_number(name: str, default):
         return default
 
 
-def start() -> Probe | None:
+def start(rank: int | None = None, world_size: int | None = None) -> Probe | None:
+    """The rank's probe; rank and world size from the environment (RANK, WORLD_SIZE) unless given (a rank that
+    joins the job in its own init_process_group call: probe/late_attach.py)."""
     global _probe
     if _probe is not None:
         return _probe
     if os.environ.get("TRAINSCOUT_PROBE_PID"):
         return None  # a spawned child of a rank (e.g. a DataLoader worker) inherits RANK: not a rank
     run_id = os.environ["TRAINSCOUT_RUN_ID"]
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # a rank that joined by itself has no LOCAL_RANK either: its global rank stands in (one node: the same)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0" if rank is None else rank))
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     os.environ["TRAINSCOUT_PROBE_PID"] = str(os.getpid())
     settings, problems = config.from_environ()
     _probe = Probe(

@@ -51,6 +51,16 @@ if os.environ.get("TRAINSCOUT_RUN_ID"):
     # the Flight Recorder sees every collective (C++ ones too); it must be on before torch loads
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
 
+
+def _integrate(probe) -> None:
+    try:  # framework integrations: what each process group is for (topology)
+        from trainscout.integrations import install_in_probe
+
+        install_in_probe(probe)
+    except Exception as exc:
+        print(f"trainscout: framework integrations disabled in this rank: {exc!r}", file=sys.stderr)
+
+
 if os.environ.get("TRAINSCOUT_RUN_ID") and os.environ.get("RANK") is not None:
     try:
         _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
@@ -63,9 +73,22 @@ if os.environ.get("TRAINSCOUT_RUN_ID") and os.environ.get("RANK") is not None:
         _probe = None
         print(f"trainscout: probe disabled in this rank: {exc!r}", file=sys.stderr)
     if _probe is not None:
-        try:  # framework integrations: what each process group is for (topology)
-            from trainscout.integrations import install_in_probe
+        _integrate(_probe)
+elif os.environ.get("TRAINSCOUT_RUN_ID") and not os.environ.get("TRAINSCOUT_PROBE_PID"):
+    # no RANK: a process that may join the job in its own init_process_group call (torch.multiprocessing.spawn)
+    try:
+        _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
+        if _pkg and _pkg not in sys.path:
+            sys.path.append(_pkg)
+        from trainscout.probe.late_attach import attach_at_init
 
-            install_in_probe(_probe)
-        except Exception as exc:
-            print(f"trainscout: framework integrations disabled in this rank: {exc!r}", file=sys.stderr)
+        def _start_late(rank, world_size):
+            from trainscout.probe.probe import start
+
+            probe = start(rank=rank, world_size=world_size)
+            if probe is not None:
+                _integrate(probe)
+
+        attach_at_init(_start_late)
+    except Exception as exc:
+        print(f"trainscout: probe disabled in this process: {exc!r}", file=sys.stderr)
