@@ -5,12 +5,14 @@ their rank only when they call `init_process_group(rank=..., world_size=...)`. T
 probe at start-up in them, so it wraps init_process_group as torch.distributed is imported (before
 torch.distributed binds its own copy of the name) and starts the probe there, with the rank and world size of the
 call, before the group exists: the probe's own patches then see every collective, as in a rank started by
-torchrun. Where the call does not say (a rank in the init_method's URL, or none at all), the probe starts after
-the group exists, from the group's own rank and size. A process that never joins a group starts no probe.
+torchrun. Where the call does not say, RANK and WORLD_SIZE set by the script itself serve (env://); where nothing
+says (a rank in the init_method's URL), the probe starts once the group exists, from the group's own rank and
+size (without replay's side group). A process that never joins a group starts no probe.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -31,11 +33,14 @@ def _wrap(c10d, start: Callable[..., Any]) -> None:
             return real(*args, **kwargs)
         started[0] = True
         rank, world_size = _int_arg(args, kwargs, 4, "rank"), _int_arg(args, kwargs, 3, "world_size")
-        if rank < 0 or world_size < 0:  # known only once the group exists
+        if rank < 0 or world_size < 0:  # env:// with variables the script set itself, or known only once it exists
+            rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        before = dict(vars(c10d))
+        if rank < 0 or world_size < 0:
             result = real(*args, **kwargs)
             _start(start, c10d.get_rank(), c10d.get_world_size())
+            _share_patches(c10d, before)
             return result
-        before = dict(vars(c10d))
         _start(start, rank, world_size)
         _share_patches(c10d, before)
         patched = c10d.init_process_group  # the probe's own wrapper (its side group), around this one
@@ -52,6 +57,13 @@ def _int_arg(args: tuple, kwargs: dict, position: int, name: str) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
+        return -1
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, -1))
+    except ValueError:
         return -1
 
 
