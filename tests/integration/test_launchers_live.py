@@ -74,6 +74,15 @@ def test_ranks_spawned_by_the_script_hang_is_named(tmp_path):
     assert_hang_of_rank_2_named(result)
 
 
+def test_ranks_spawned_by_the_script_crash_is_named_with_its_exception(tmp_path):
+    # torch.multiprocessing.spawn's worker catches the exception, saves the traceback for the parent, sys.exit(1)
+    launch = [PY, SPAWN_JOB, "40", str(free_port())]
+    result = run_under_trainscout(tmp_path, "spawn-crash", launch, ("--inject", "crash:rank=1:step=20:how=exception"))
+    crashes = [f for f in result.findings if f["kind"] == "crash"]
+    assert [f["culprit_ranks"] for f in crashes] == [[1]], result.describe()
+    assert "RuntimeError: trainscout injected crash" in crashes[0]["summary"], result.describe()
+
+
 def test_ranks_spawned_by_the_script_are_watched_and_a_clean_run_names_nobody(tmp_path):
     result = run_under_trainscout(tmp_path, "spawn-clean", [PY, SPAWN_JOB, "60", str(free_port())])
     assert result.returncode == 0, result.describe()

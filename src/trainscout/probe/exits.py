@@ -23,9 +23,7 @@ def install(writer, owner_pid: int) -> None:
 
     def excepthook(exc_type, exc, tb):
         if mine() and not issubclass(exc_type, SystemExit):
-            last = traceback.extract_tb(tb)[-1:] if tb is not None else []
-            where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
-            writer.record_exit("exception", 1, None, f"{exc_type.__name__}: {exc}{where}")
+            writer.record_exit("exception", 1, None, _describe(exc))
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = excepthook
@@ -34,7 +32,13 @@ def install(writer, owner_pid: int) -> None:
 
     def exit_(code=0):
         if mine():
-            _record_code(writer, code)
+            handling = sys.exc_info()[1]
+            if code not in (0, None) and isinstance(handling, Exception):
+                # `except Exception: print the traceback; sys.exit(1)` (torch.multiprocessing.spawn's workers,
+                # many scripts' main): the exception is the cause, not the exit call
+                writer.record_exit("exception", code if isinstance(code, int) else 1, None, _describe(handling))
+            else:
+                _record_code(writer, code)
         real_exit(code)
 
     sys.exit = exit_
@@ -62,6 +66,14 @@ def install(writer, owner_pid: int) -> None:
         if previous in (signal.SIG_IGN, None):
             continue
         signal.signal(sig, _make_handler(writer, sig, previous, mine))
+
+
+def _describe(exc: BaseException) -> str:
+    """'RuntimeError: boom at train.py:41' (where it was raised)."""
+    tb = exc.__traceback__
+    last = traceback.extract_tb(tb)[-1:] if tb is not None else []
+    where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _record_code(writer, code) -> None:
