@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from slow_rank_run import run_slow_rank_job
+from job_runs import run_slow_rank_job
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from slow_rank_run import run_slow_rank_job
+from job_runs import run_slow_rank_job
 
 STEPS = 120
 

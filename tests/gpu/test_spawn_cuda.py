@@ -5,30 +5,19 @@ No rank has RANK in its environment; each gets its probe in its own init_process
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from job_runs import JOBS, free_port, run_under_trainscout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-JOB = Path(__file__).resolve().parents[1] / "integration" / "spawn_job.py"
 
-
-def _run(tmp_path: Path, name: str, steps: int, *options: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--run-id", name, *options]
-    cmd += ["--console", "plain", "--", sys.executable, str(JOB), str(steps), str(port), "cuda"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ))
-    path = tmp_path / name / "findings.jsonl"
-    findings = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+def _run(tmp_path: Path, name: str, steps: int, *options: str) -> tuple:
+    job = [sys.executable, str(JOBS / "spawn_job.py"), str(steps), str(free_port()), "cuda"]
+    done, findings, _ = run_under_trainscout(tmp_path, name, job, options=options)
     return done, findings
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from slow_rank_run import run_slow_rank_job
+from job_runs import run_slow_rank_job
 
 SIDE_GROUP_TIMEOUT_S = 60.0
 

@@ -23,7 +23,8 @@
 - "none": nothing.
 Used by tests/integration/test_main_rank_side_work.py, test_slow_optimizer_step.py,
 test_uneven_optimizer_steps.py and
-tests/gpu/slow_rank_run.py (test_side_work_cuda.py, test_uneven_steps_cuda.py: ranks sharing one GPU, over gloo).
+tests/gpu/job_runs.py (test_side_work_cuda.py, test_uneven_steps_cuda.py, test_hang_vote_cuda.py: ranks sharing one GPU,
+over gloo).
 
     torchrun --nproc-per-node 4 slow_rank_job.py MODE STEPS LOG_PREFIX [cpu|cuda]
 """
