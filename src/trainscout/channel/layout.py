@@ -40,7 +40,7 @@ HEADER_DTYPE = np.dtype(
         ("disabled_checks", "<i8"),  # bitmask of checks that failed and were turned off (fail open)
         ("dropped", "<i8"),  # records the Flight Recorder overwrote before the probe read them
         ("sig_mismatch", "<i8"),  # Python-path signatures that differed from the Flight Recorder's (self-check)
-        ("moving_ns", "<i8"),  # monotonic time the training thread's stack last changed between collectives
+        ("moving_ns", "<i8"),  # last time the training thread was seen working between collectives (activity.py)
         # written by the training thread (optimizer step hook)
         ("step", "<i8"),
         ("step_ns", "<i8"),

@@ -14,8 +14,9 @@ catches ranks wherever they were, and those caught in their compute would look l
 Ranks behind because they do work of their own (rank 0 saving a checkpoint or evaluating alone while the others
 wait in a barrier, a rank compiling a new graph: markers.BUSY_*; rank 0 preparing the data alone: any code) are
 not hung: the vote waits while every rank behind is inside a save or compilation, up to `stall_timeout_s`, ran a
-forward pass more recently than `hang_timeout_s` ago, or had its training thread's stack change that recently (up
-to `stall_timeout_s` without a collective); a rank stuck anywhere, inside a forward included, is named as before.
+forward pass more recently than `hang_timeout_s` ago, or had its training thread seen working that recently (I/O,
+or a changing stack while computing; up to `stall_timeout_s` without a collective); a rank stuck anywhere, inside
+a forward included, is named as before.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from trainscout.findings import DESYNC, HANG, STALL, Finding
 from trainscout.markers import BUSY_ACTIVE, BUSY_WHAT, PROBE_GROUP_ROLE
 
 HANG_TIMEOUT_S, STALL_TIMEOUT_S = RUN.hang_timeout, RUN.stall_timeout
-# a rank whose training thread's stack keeps changing between collectives (probe/activity.py: look)
+# a rank whose training thread keeps working between collectives (probe/activity.py: look)
 OWN_CODE = "running code of its own"
 
 

@@ -155,7 +155,7 @@ class RankState(msgspec.Struct, array_like=True, gc=False):
     attempt: int = 0  # the launcher's restart attempt this process belongs to (torchrun --max-restarts)
     busy: int = 0  # what the rank does between collectives (markers.BUSY_*)
     busy_age_s: float = 0.0  # seconds since that began (saving, compiling) or was last seen (active)
-    moving_age_s: float = 1e9  # seconds since its training thread's stack last changed between collectives
+    moving_age_s: float = 1e9  # seconds since its training thread was last seen working between collectives
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -30,14 +30,19 @@ except Exception as exc:  # the user's own sitecustomize failing is theirs to se
     print(f"trainscout: the original sitecustomize failed: {exc!r}", file=sys.stderr)
 
 
+def _package_on_path() -> None:
+    """trainscout importable where the rank's own environment lacks it (TRAINSCOUT_PKG_PATH: where run found it)."""
+    pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
+    if pkg and pkg not in sys.path:
+        sys.path.append(pkg)
+
+
 def _ranks_from_scheduler() -> None:
     """srun tasks that are the ranks themselves: RANK, WORLD_SIZE, ... from SLURM's variables where absent,
     so that torch's env:// rendezvous and the probe need no change to the script."""
     if os.environ.get("TRAINSCOUT_RANKS_FROM") != "slurm" or os.environ.get("RANK") is not None:
         return
-    _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
-    if _pkg and _pkg not in sys.path:
-        sys.path.append(_pkg)
+    _package_on_path()
     from trainscout.runner.launchers import slurm_rank_environment
 
     os.environ.update(slurm_rank_environment(os.environ))
@@ -63,9 +68,7 @@ def _integrate(probe) -> None:
 
 if os.environ.get("TRAINSCOUT_RUN_ID") and os.environ.get("RANK") is not None:
     try:
-        _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
-        if _pkg and _pkg not in sys.path:
-            sys.path.append(_pkg)
+        _package_on_path()
         from trainscout.probe.probe import start
 
         _probe = start()
@@ -77,9 +80,7 @@ if os.environ.get("TRAINSCOUT_RUN_ID") and os.environ.get("RANK") is not None:
 elif os.environ.get("TRAINSCOUT_RUN_ID") and not os.environ.get("TRAINSCOUT_PROBE_PID"):
     # no RANK: a process that may join the job in its own init_process_group call (torch.multiprocessing.spawn)
     try:
-        _pkg = os.environ.get("TRAINSCOUT_PKG_PATH")
-        if _pkg and _pkg not in sys.path:
-            sys.path.append(_pkg)
+        _package_on_path()
         from trainscout.probe.late_attach import attach_at_init
 
         def _start_late(rank, world_size):
