@@ -725,9 +725,9 @@ def start(rank: int | None = None, world_size: int | None = None) -> Probe | Non
     if os.environ.get("TRAINSCOUT_PROBE_PID"):
         return None  # a spawned child of a rank (e.g. a DataLoader worker) inherits RANK: not a rank
     run_id = os.environ["TRAINSCOUT_RUN_ID"]
-    # a rank that joined by itself has no LOCAL_RANK either: its global rank stands in (one node: the same)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0" if rank is None else rank))
-    rank = int(os.environ["RANK"]) if rank is None else rank
+    joined = rank is not None  # in its own init_process_group call: no LOCAL_RANK either
+    rank = rank if rank is not None else int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank if joined else 0))  # one node: its global rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     os.environ["TRAINSCOUT_PROBE_PID"] = str(os.getpid())
     settings, problems = config.from_environ()
