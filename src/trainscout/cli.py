@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         "Exits 0 when trainscout named the injected fault (its kind and exactly its "
         "rank) or, with --fault none, when the job ran clean with no finding; 1 when "
         "it did not; the training job's own exit status is printed.",
-        epilog="fault parameters: crash how=kill|segv|exception; exit code=N; "
+        epilog="fault parameters: crash how=kill|segv|term|int|exception; exit code=N; "
         "desync what=shape|dtype|op|reduce|pg; slow ms=N; pause seconds=N; "
         "corrupt how=bitflip|sign|scale|pct1|pct100|expflip|signflip "
         "target=param|state key=NAME frac=F factor=F; nan where=param|grad; "

@@ -154,6 +154,8 @@ class Coordinator:
         self.nodes: dict[bytes, dict] = {}
         self.launcher_codes: dict[int, int] = {}
         self.launcher_done = False
+        self.launcher_signalled: set[int] = set()  # pids of workers the launchers sent a closing signal
+        self.job_interrupted = False  # a supervisor or launcher was told to stop the whole job
         self.emitted: set[tuple] = set()
         self.numerically_named: dict[int, int] = {}  # rank -> step it was first named at for sdc or nonfinite
         self._seen_errors: set[tuple[int, str]] = set()  # probe errors already shown (per coordinator)
@@ -209,7 +211,9 @@ class Coordinator:
         exits = self.detectors.get("exits")
         if not isinstance(exits, ExitDetector):
             return False
-        for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True):
+        stopped = frozenset(self.launcher_signalled)
+        interrupted = self.job_interrupted or self.aborting
+        for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True, stopped, interrupted):
             self.emit(f, now)
         return True
 
@@ -286,6 +290,8 @@ class Coordinator:
             self._on_records(msg, now)
         elif isinstance(msg, LauncherReport):
             self.launcher_done = self.launcher_done or msg.final  # not final: exits seen while it runs
+            self.launcher_signalled.update(msg.signalled_pids)
+            self.job_interrupted = self.job_interrupted or msg.interrupted
             for rank, code, _pid in msg.worker_exits:
                 self.launcher_codes[rank] = code
                 self._exit_from_launcher(rank, code, now)
@@ -394,6 +400,8 @@ class Coordinator:
             classes=classes,
             launcher_codes=self.launcher_codes,
             launcher_done=self.launcher_done,
+            launcher_signalled=frozenset(self.launcher_signalled),
+            job_interrupted=self.job_interrupted or self.aborting,
             root_found=self.root_found,
             caught_up=self._caught_up,
             final=self._final,

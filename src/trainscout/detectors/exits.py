@@ -4,7 +4,9 @@ Exits are ordered by when the agents saw them. The root is the first exit that i
 reason of its own (an exception that is not a lost peer connection, a fatal signal, a process that
 vanished without a record), or a clean exit while peers still had work: they later issued a
 collective it never issued, passed its step, or failed. Exits after the root are collateral (peers
-losing their connection, the launcher's SIGTERM) and are listed as evidence, not blamed.
+losing their connection, the launcher's SIGTERM) and are listed as evidence, not blamed. A SIGTERM, SIGINT or
+SIGHUP is how launchers and schedulers stop ranks, so it blames nobody, unless it came first and was aimed at one
+rank from outside: the job was not told to stop and the launcher did not send it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ if TYPE_CHECKING:  # types only: detectors take plain records and import no wire
     from trainscout.wire.messages import RankExit
 
 HANG_TIMEOUT_S = RUN.hang_timeout
+_TEARDOWN = (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP)  # how launchers and schedulers stop ranks
 _COLLATERAL_TEXT = (
     "connection closed by peer",
     "connection reset",
@@ -69,7 +72,7 @@ def is_abnormal(o: RankObs, launcher_codes: dict[int, int]) -> bool:
 
 def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
     e = _exit(o)
-    if e.how == "signal" and e.signal in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
+    if e.how == "signal" and e.signal in _TEARDOWN:
         return True  # the launcher tears the survivors down this way
     if launcher_codes.get(o.rank) in (-_signal.SIGTERM, -_signal.SIGINT):
         return e.how != "vanished"
@@ -102,11 +105,24 @@ class ExitDetector(DetectorBase):
         if view.root_found:
             self.done = True  # later exits follow from the fault already named
         return findings_only(
-            self.update(view.waited_until, dict(view.ranks), dict(view.launcher_codes), view.launcher_done)
+            self.update(
+                view.waited_until,
+                dict(view.ranks),
+                dict(view.launcher_codes),
+                view.launcher_done,
+                view.launcher_signalled,
+                view.job_interrupted,
+            )
         )
 
     def update(
-        self, now: float, ranks: dict[int, RankObs], launcher_codes: dict[int, int], launcher_done: bool
+        self,
+        now: float,
+        ranks: dict[int, RankObs],
+        launcher_codes: dict[int, int],
+        launcher_done: bool,
+        launcher_signalled: frozenset[int] = frozenset(),
+        job_interrupted: bool = False,
     ) -> list[Finding]:
         if self.done:
             return []
@@ -124,6 +140,13 @@ class ExitDetector(DetectorBase):
             return [self._early_finding(early, ranks, exited)]
         if not abnormal:
             return []
+        outside = None if own else _stopped_from_outside(abnormal, launcher_signalled, job_interrupted)
+        if outside is not None and exited[0] is outside:  # it ended first, while its peers still ran
+            # the launcher's word on the signals it sent can trail the exits: judged once it ended, or after a while
+            if now - _exited_at(outside) < (self.settle_s if launcher_done else self.max_wait_s):
+                return []
+            self.done = True
+            return [self._crash_finding([outside], exited, launcher_codes, from_outside=True)]
         if not own and all(_exit(o).how == "signal" for o in abnormal):
             return []  # only teardown signals (Ctrl-C, the launcher stopping survivors): nobody to blame
         root_candidates = own or abnormal
@@ -212,7 +235,7 @@ class ExitDetector(DetectorBase):
             evidence={"exit": {str(o.rank): o.state.exit.message for o in early}, "collateral": _collateral(after)},
         )
 
-    def _crash_finding(self, roots, exited, launcher_codes) -> Finding:
+    def _crash_finding(self, roots, exited, launcher_codes, from_outside: bool = False) -> Finding:
         first = roots[0]
         e = first.state.exit
         code = launcher_codes.get(first.rank, e.code)
@@ -228,6 +251,12 @@ class ExitDetector(DetectorBase):
             cause = (
                 f"after its script ended ({e.message}), in interpreter teardown (exit handlers, library "
                 "destructors), not in training"
+            )
+        elif from_outside:
+            cause = (
+                f"{e.message} from outside the job while its peers were training (neither the launcher nor "
+                "trainscout sent it, and no other rank was sent one): an operator, a node daemon or the OOM "
+                "policy stopped it"
             )
         else:
             cause = e.message
@@ -254,6 +283,26 @@ class ExitDetector(DetectorBase):
                 "collateral": _collateral(after),
             },
         )
+
+
+def _stopped_from_outside(
+    abnormal: list[RankObs], launcher_signalled: frozenset[int], job_interrupted: bool
+) -> RankObs | None:
+    """The first rank to fail, when a terminating signal (SIGTERM, SIGINT, SIGHUP) ended it that was aimed at
+    it alone: the job was not told to stop (Ctrl-C, the scheduler, --abort-on), its launcher did not send it,
+    and every other rank a terminating signal ended, the launcher did (tearing the job down after it). A signal
+    the launcher did not send to two ranks is the job being stopped from outside (pkill, scancel): nobody."""
+    if job_interrupted or not abnormal:
+        return None
+
+    def unexplained_signal(o: RankObs) -> bool:
+        e = _exit(o)
+        return e.how == "signal" and e.signal in _TEARDOWN and o.state.pid not in launcher_signalled
+
+    first = abnormal[0]
+    if not unexplained_signal(first) or any(unexplained_signal(o) for o in abnormal[1:]):
+        return None
+    return first
 
 
 def _cause_unknown(o: RankObs, launcher_codes: dict[int, int]) -> bool:

@@ -468,7 +468,8 @@ class FaultInjector:
             _log(f"rank {rank}: crash: how={how} at step {step}")
             if how == "exception":
                 raise RuntimeError("trainscout injected crash")
-            os.kill(os.getpid(), signal.SIGSEGV if how == "segv" else signal.SIGKILL)
+            signals = {"segv": signal.SIGSEGV, "term": signal.SIGTERM, "int": signal.SIGINT}
+            os.kill(os.getpid(), signals.get(how, signal.SIGKILL))  # term, int: as if sent from outside the job
             time.sleep(10)  # signal delivery is asynchronous; do not run on into the next step meanwhile
         elif kind == "exit":
             _log(f"rank {rank}: exit: code={params['code']} at step {step}")

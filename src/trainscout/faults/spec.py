@@ -42,7 +42,7 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
 }
 KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
 
-CRASH_HOWS = ("kill", "segv", "exception")
+CRASH_HOWS = ("kill", "segv", "term", "int", "exception")
 DESYNC_WHATS = ("shape", "dtype", "op", "reduce", "pg")
 CORRUPT_TARGETS = ("param", "state", "gathered")
 CORRUPT_HOWS = ("bitflip", "sign", "scale", "pct1", "pct100", "expflip", "signflip")

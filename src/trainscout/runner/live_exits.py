@@ -2,12 +2,14 @@
 
 A rank killed by a signal (SIGSEGV, SIGKILL) leaves no exit record of its own: only its parent, the
 launcher, learns the signal, and prints it. Sent as soon as it is printed (not when the launcher ends),
-the crash finding can name the signal instead of "unknown status".
+the crash finding can name the signal instead of "unknown status". The workers the launcher sent a closing
+signal, and whether the job was told to stop, go with it: they tell a teardown SIGTERM from one sent to a
+single rank from outside the job.
 """
 
 from __future__ import annotations
 
-from trainscout.runner.launcher_log import worker_exits
+from trainscout.runner.launcher_log import launcher_interrupted, signalled_pids, worker_exits
 from trainscout.wire.endpoints import AgentEndpoint
 from trainscout.wire.messages import LauncherReport
 
@@ -20,20 +22,35 @@ class LiveExitReporter:
         self.identity = identity
         self.node_id = node_id
         self.sent: set[tuple[int, int, int]] = set()
+        self.sent_pids: set[int] = set()
+        self.sent_interrupted = False
         self._endpoint: AgentEndpoint | None = None
         self._address = ""
 
-    def update(self, address: str, recent_text: str) -> bool:
-        """Send the exits in `recent_text` (the launcher's latest lines) not sent yet; True if any were."""
+    def update(self, address: str, recent_text: str, interrupted: bool = False) -> bool:
+        """Send what `recent_text` (the launcher's latest lines) and `interrupted` (the supervisor was told to
+        stop the job) add to what was sent; True if anything was."""
         new = [e for e in worker_exits(recent_text) if e not in self.sent]
-        if not new or not address:
+        pids = signalled_pids(recent_text) - self.sent_pids
+        stop = (interrupted or launcher_interrupted(recent_text)) and not self.sent_interrupted
+        if not (new or pids or stop) or not address:
             return False
         if self._endpoint is None or address != self._address:
             self.close()
             self._endpoint = AgentEndpoint(address, self.secret, self.identity)
             self._address = address
-        if self._endpoint.send(LauncherReport(node_id=self.node_id, exit_code=0, worker_exits=new, final=False)):
+        report = LauncherReport(
+            node_id=self.node_id,
+            exit_code=0,
+            worker_exits=new,
+            final=False,
+            signalled_pids=sorted(pids),
+            interrupted=stop or self.sent_interrupted,
+        )
+        if self._endpoint.send(report):
             self.sent.update(new)
+            self.sent_pids.update(pids)
+            self.sent_interrupted = self.sent_interrupted or stop
             return True
         return False
 

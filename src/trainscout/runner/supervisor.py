@@ -26,7 +26,7 @@ from trainscout.channel.reader import ChannelReader
 from trainscout.findings import from_json
 from trainscout.runner import launchers
 from trainscout.runner.handoff import ABORT_MARK, attempt_lines_of
-from trainscout.runner.launcher_log import worker_exits
+from trainscout.runner.launcher_log import launcher_interrupted, signalled_pids, worker_exits
 from trainscout.runner.launchers import BOOTSTRAP_DIR, PKG_PARENT  # noqa: F401  (re-exported)
 from trainscout.runner.live_exits import LiveExitReporter
 from trainscout.runner.restarts import RestartPolicy
@@ -264,8 +264,8 @@ class Supervisor:
                 out.flush()
             if self._forwarded_at and "signal" in line.lower():
                 self._interrupt_seen = True  # torchrun: "Received 2 death signal", DeepSpeed: "... SIGINT"
-            if "exitcode" in line:  # a worker's exit status, as the launcher reports it
-                exits.update(self.address, "".join(self._launcher_text[-50:]))
+            if "exitcode" in line or "signal" in line:  # a worker's exit status; a closing signal sent or received
+                exits.update(self.address, "".join(self._launcher_text[-50:]), bool(self.interrupted_by))
         if exits.sent:
             time.sleep(0.3)  # let the last report leave before the socket closes
         exits.close()
@@ -460,9 +460,17 @@ class Supervisor:
         return self.opts.node_id or os.uname().nodename
 
     def _report_launcher(self, address: str, code: int) -> None:
-        exits = worker_exits("".join(self._launcher_text))
+        text = "".join(self._launcher_text)
+        exits = worker_exits(text)
         ep = AgentEndpoint(address, self.secret, f"supervisor-{os.getpid()}")
-        ep.send(LauncherReport(node_id=self._node_id(), exit_code=code, worker_exits=exits))
+        report = LauncherReport(
+            node_id=self._node_id(),
+            exit_code=code,
+            worker_exits=exits,
+            signalled_pids=sorted(signalled_pids(text)),
+            interrupted=bool(self.interrupted_by) or launcher_interrupted(text),
+        )
+        ep.send(report)
         time.sleep(0.3)
         ep.close()
         self.events.write("launcher_exit", code=code, workers=exits)

@@ -204,6 +204,8 @@ class LauncherReport(msgspec.Struct, tag=True):
     exit_code: int
     worker_exits: list[tuple[int, int, int]]  # (global rank, exitcode as torchrun prints it, pid)
     final: bool = True  # False: workers' exits reported while the launcher still runs
+    signalled_pids: list[int] = msgspec.field(default_factory=list)  # workers the launcher sent a closing signal
+    interrupted: bool = False  # the whole job was told to stop (a signal to the supervisor or the launcher)
 
 
 class Goodbye(msgspec.Struct, tag=True):
