@@ -511,7 +511,7 @@ def test_clean_end_of_training_gives_no_finding():
 
 def test_clean_exit_while_peers_issue_more_collectives_and_fail_is_early_exit():
     ranks = {
-        r: obs(r, [pg(46)], exit=_exit("exception", 1, msg="Connection closed by peer"), seen_at=101.0)
+        r: obs(r, [pg(46)], exit=_exit("exception", 1, msg="RuntimeError: Connection closed by peer"), seen_at=101.0)
         for r in (0, 1, 3)
     }
     ranks[2] = obs(2, [pg(45)], exit=_exit("exit", 0), seen_at=100.0)

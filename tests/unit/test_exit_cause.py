@@ -13,7 +13,7 @@ from trainscout.detectors.exits import ExitDetector
 
 def _segv_then_collateral():
     ranks = {
-        r: obs(r, [pg(45)], exit=_exit("exception", 1, msg="Connection closed by peer"), seen_at=100.3) for r in WORLD
+        r: obs(r, [pg(45)], exit=_exit("exception", 1, msg="RuntimeError: Connection closed by peer"), seen_at=100.3) for r in WORLD
     }
     ranks[2] = obs(2, [pg(45)], exit=_exit("vanished"), seen_at=100.0)
     return ranks

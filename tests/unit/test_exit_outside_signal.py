@@ -101,3 +101,24 @@ def test_the_launchers_closing_signals_and_failures_are_read():
     assert not launcher_interrupted(TORCHRUN)
     said = "W1207 07:56:01.000000 1 server/api.py:753] Received Signals.SIGINT death signal, shutting down workers"
     assert launcher_interrupted(said) and launcher_interrupted("Received 15 death signal, shutting down workers")
+
+
+def test_a_scripts_own_timeout_or_connection_error_is_its_own_failure():
+    # the words of a lost peer, in an exception the script's data service raised: not torch's, so not collateral
+    for message in (
+        "TimeoutError: timed out waiting for the data service (socket read) at train.py:95",
+        "ConnectionResetError: connection reset by the feature store at train.py:97",
+        "RuntimeError: DataLoader timed out after 60 seconds at /venv/site-packages/torch/utils/data/dataloader.py:1288",
+    ):
+        ranks = {r: obs(r, [pg(45)], exit=_exit("exception", 1, msg=LOST), seen_at=100.3) for r in WORLD}
+        ranks[2] = obs(2, [pg(45)], exit=_exit("exception", 1, msg=message), seen_at=100.0)
+        (f,) = ExitDetector().update(105.0, ranks, {}, True)
+        assert (f.culprit_ranks, f.status) == ([2], "attributed"), message
+
+
+def test_torchs_own_errors_of_a_lost_peer_stay_collateral():
+    ranks = {r: obs(r, [pg(45)], exit=_exit("vanished"), seen_at=100.0) for r in WORLD}
+    for r, message in ((0, "DistBackendError: NCCL error: remote process exited"), (1, LOST), (3, LOST)):
+        ranks[r] = obs(r, [pg(45)], exit=_exit("exception", 1, msg=message), seen_at=100.4)
+    (f,) = ExitDetector().update(105.0, ranks, {2: -9}, True)
+    assert f.culprit_ranks == [2] and set(f.evidence["collateral"]) == {"0", "1", "3"}

@@ -76,7 +76,19 @@ def is_collateral(o: RankObs, launcher_codes: dict[int, int]) -> bool:
         return True  # the launcher tears the survivors down this way
     if launcher_codes.get(o.rank) in (-_signal.SIGTERM, -_signal.SIGINT):
         return e.how != "vanished"
-    return e.how == "exception" and any(t in e.message.lower() for t in _COLLATERAL_TEXT)
+    return (
+        e.how == "exception" and _raised_by_torch(e.message) and any(t in e.message.lower() for t in _COLLATERAL_TEXT)
+    )
+
+
+def _raised_by_torch(message: str) -> bool:
+    """The exception is of a type torch.distributed raises when a peer is lost (RuntimeError, its Dist*Error
+    family) and not the DataLoader's: a TimeoutError or ConnectionResetError the script's own data service
+    raised, or a DataLoader timing out, is the rank's own failure, whatever its text says."""
+    name = message.split(":", 1)[0].strip()
+    if "torch/utils/data/" in message:
+        return False  # the DataLoader's own RuntimeErrors ("DataLoader timed out after 60 seconds")
+    return name == "RuntimeError" or name.startswith("Dist")
 
 
 class ExitDetector(DetectorBase):
