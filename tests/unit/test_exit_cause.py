@@ -12,9 +12,8 @@ from trainscout.detectors.exits import ExitDetector
 
 
 def _segv_then_collateral():
-    ranks = {
-        r: obs(r, [pg(45)], exit=_exit("exception", 1, msg="RuntimeError: Connection closed by peer"), seen_at=100.3) for r in WORLD
-    }
+    lost = _exit("exception", 1, msg="RuntimeError: Connection closed by peer")
+    ranks = {r: obs(r, [pg(45)], exit=lost, seen_at=100.3) for r in WORLD}
     ranks[2] = obs(2, [pg(45)], exit=_exit("vanished"), seen_at=100.0)
     return ranks
 

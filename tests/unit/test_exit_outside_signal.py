@@ -108,7 +108,7 @@ def test_a_scripts_own_timeout_or_connection_error_is_its_own_failure():
     for message in (
         "TimeoutError: timed out waiting for the data service (socket read) at train.py:95",
         "ConnectionResetError: connection reset by the feature store at train.py:97",
-        "RuntimeError: DataLoader timed out after 60 seconds at /venv/site-packages/torch/utils/data/dataloader.py:1288",
+        "RuntimeError: DataLoader timed out after 60 seconds at /venv/torch/utils/data/dataloader.py:1288",
     ):
         ranks = {r: obs(r, [pg(45)], exit=_exit("exception", 1, msg=LOST), seen_at=100.3) for r in WORLD}
         ranks[2] = obs(2, [pg(45)], exit=_exit("exception", 1, msg=message), seen_at=100.0)
