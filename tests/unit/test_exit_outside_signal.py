@@ -31,7 +31,7 @@ def _term_on_2(rank3_how: str = "signal"):
 
 def test_a_sigterm_sent_to_one_rank_from_outside_names_that_rank():
     det = ExitDetector(settle_s=1.0, max_wait_s=4.0)
-    (f,) = det.update(101.5, _term_on_2(), {2: -15, 3: -15}, True, launcher_signalled=frozenset({1003}))
+    (f,) = det.update(101.5, _term_on_2(), {2: -15, 3: -15}, True, launcher_signalled=frozenset({3}))
     assert (f.kind, f.culprit_ranks, f.status, f.evidence["signal"]) == ("crash", [2], "attributed", "SIGTERM")
     assert "from outside the job" in f.summary, f.summary
     assert set(f.evidence["collateral"]) == {"0", "1", "3"}
@@ -53,12 +53,12 @@ def test_the_launchers_word_is_waited_for_while_it_runs():
 
 
 def test_a_job_told_to_stop_blames_nobody():
-    (f,) = ExitDetector().update(105.0, _term_on_2(), {}, True, frozenset({1003}), job_interrupted=True)
+    (f,) = ExitDetector().update(105.0, _term_on_2(), {}, True, frozenset({3}), job_interrupted=True)
     assert (f.status, f.culprit_ranks) == ("inconclusive", [])
 
 
 def test_the_launchers_own_closing_signal_blames_nobody():
-    (f,) = ExitDetector().update(105.0, _term_on_2(), {}, True, launcher_signalled=frozenset({1002, 1003}))
+    (f,) = ExitDetector().update(105.0, _term_on_2(), {}, True, launcher_signalled=frozenset({2, 3}))
     assert (f.status, f.culprit_ranks) == ("inconclusive", [])
 
 

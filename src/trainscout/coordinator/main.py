@@ -154,7 +154,7 @@ class Coordinator:
         self.nodes: dict[bytes, dict] = {}
         self.launcher_codes: dict[int, int] = {}
         self.launcher_done = False
-        self.launcher_signalled: set[int] = set()  # pids of workers the launchers sent a closing signal
+        self.launcher_signalled: dict[bytes, set[int]] = {}  # node -> pids its launcher sent a closing signal
         self.job_interrupted = False  # a supervisor or launcher was told to stop the whole job
         self.emitted: set[tuple] = set()
         self.numerically_named: dict[int, int] = {}  # rank -> step it was first named at for sdc or nonfinite
@@ -211,11 +211,19 @@ class Coordinator:
         exits = self.detectors.get("exits")
         if not isinstance(exits, ExitDetector):
             return False
-        stopped = frozenset(self.launcher_signalled)
+        stopped = self._signalled_by_launcher()
         interrupted = self.job_interrupted or self.aborting
         for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True, stopped, interrupted):
             self.emit(f, now)
         return True
+
+    def _signalled_by_launcher(self) -> frozenset[int]:
+        """Ranks their own node's launcher said it sent a closing signal (pids are per host)."""
+        return frozenset(
+            r
+            for r, o in self.ranks.items()
+            if o.state.pid in self.launcher_signalled.get(self.rank_node.get(r, b""), ())
+        )
 
     def _next_attempt(self, attempt: int, now: float) -> None:
         """A rank of a newer attempt (elastic restart): decide what the old attempt left pending, then forget it."""
@@ -290,7 +298,7 @@ class Coordinator:
             self._on_records(msg, now)
         elif isinstance(msg, LauncherReport):
             self.launcher_done = self.launcher_done or msg.final  # not final: exits seen while it runs
-            self.launcher_signalled.update(msg.signalled_pids)
+            self.launcher_signalled.setdefault(msg.node_id.encode(), set()).update(msg.signalled_pids)
             self.job_interrupted = self.job_interrupted or msg.interrupted
             for rank, code, _pid in msg.worker_exits:
                 self.launcher_codes[rank] = code
@@ -400,7 +408,7 @@ class Coordinator:
             classes=classes,
             launcher_codes=self.launcher_codes,
             launcher_done=self.launcher_done,
-            launcher_signalled=frozenset(self.launcher_signalled),
+            launcher_signalled=self._signalled_by_launcher(),
             job_interrupted=self.job_interrupted or self.aborting,
             root_found=self.root_found,
             caught_up=self._caught_up,

@@ -309,7 +309,7 @@ def _stopped_from_outside(
 
     def unexplained_signal(o: RankObs) -> bool:
         e = _exit(o)
-        return e.how == "signal" and e.signal in _TEARDOWN and o.state.pid not in launcher_signalled
+        return e.how == "signal" and e.signal in _TEARDOWN and o.rank not in launcher_signalled
 
     first = abnormal[0]
     if not unexplained_signal(first) or any(unexplained_signal(o) for o in abnormal[1:]):

@@ -44,7 +44,7 @@ class JobView:
     classes: Mapping[str, list[int]]  # replica class -> its live members, ascending
     launcher_codes: Mapping[int, int] = field(default_factory=dict)  # rank -> exit code the launcher saw
     launcher_done: bool = False
-    launcher_signalled: frozenset[int] = frozenset()  # pids of workers a launcher sent a closing signal
+    launcher_signalled: frozenset[int] = frozenset()  # ranks their launcher sent a closing signal
     job_interrupted: bool = False  # the whole job was told to stop (Ctrl-C, the scheduler, --abort-on)
     root_found: bool = False  # a root cause (hang, desync, crash, ...) was named: later exits follow from it
     caught_up: float | None = None  # every frame sent before this was handled (None: all of them, up to now)
