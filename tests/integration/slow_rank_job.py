@@ -20,6 +20,10 @@
 - "repeat-step": rank 1 steps its optimizer twice at step 30: the same, one ahead;
 - "round-robin": from step 30 each rank in turn is held up 30 ms inside its training forward (rank r at the steps
   where step % world == r: work the script hands round, no rank's fault);
+- "tail-hang": rank 2 sleeps for good after its last step, while the others end cleanly (a thread it joins, a
+  lock, a teardown that never returns): the job never ends;
+- "tail-work": rank 0 writes its final artefacts for TAIL_S after its last step while the others end (a script's
+  choice, not a hang);
 - "none": nothing.
 Used by tests/integration/test_main_rank_side_work.py, test_slow_optimizer_step.py,
 test_uneven_optimizer_steps.py and
@@ -76,6 +80,7 @@ if mode == "optimizer" and rank == 2:
 
     opt.step = slow_step
 LONG_S = 6.0
+TAIL_S = 14.0  # past the stall timeout of the test that runs it
 
 
 class SlowStorage(io.RawIOBase):
@@ -160,4 +165,14 @@ with open(f"{log_prefix}.{rank}", "w") as log:
             while True:
                 time.sleep(3600)
         time.sleep(0.01)
+if mode == "tail-hang" and rank == 2:
+    while True:
+        time.sleep(3600)
+if mode == "tail-work" and rank == 0:
+    with open(f"{log_prefix}.final", "wb") as out:
+        end = time.time() + TAIL_S
+        while time.time() < end:
+            out.write(bytes(1 << 20))
+            out.flush()
+            time.sleep(0.05)
 dist.destroy_process_group()

@@ -117,3 +117,19 @@ def test_a_rank_asleep_while_its_peers_wait_in_a_buffer_broadcast_or_past_it_is_
 
     assert [(f["kind"], f["culprit_ranks"]) for f in result.findings] == [("hang", [2])], result.describe()
     assert result.findings[0]["collective"] == "broadcast", result.describe()
+
+
+@pytest.mark.parametrize(("mode", "culprits"), [("tail-hang", [[2]]), ("tail-work", [])])
+def test_a_rank_stuck_after_the_others_ended_is_named_at_the_stall_timeout(tmp_path, mode, culprits):
+    # the job never ends while rank 2 is stuck; rank 0 writing its final files for 14 s is its own work
+    launch = torchrun_cmd(
+        "--nproc-per-node", "4", "--master-port", str(free_port()), str(JOB), mode, "30", str(tmp_path / "job")
+    )
+    options = ("--hang-timeout", "2", "--stall-timeout", "10", "--abort-on", "hang")
+    result = run_under_trainscout(tmp_path, f"side-work-{mode}", launch, options=options)
+
+    assert [f["culprit_ranks"] for f in result.findings] == culprits, result.describe()
+    if culprits:
+        (hang,) = result.findings
+        assert hang["kind"] == "hang" and "did not end" in hang["summary"], result.describe()
+        assert "slow_rank_job.py" in hang["stacks"]["2"], result.describe()  # where it is stuck

@@ -130,6 +130,10 @@ class HangDetector(DetectorBase):
                     ahead.setdefault(r, []).append((name, seqs[r]))
         if not behind and not unattributed and not ahead:
             if quiet >= self.stall_timeout_s:
+                if self._outlived(ranks, live):  # most ranks ended: those left are stuck or still finishing
+                    left = self._left_behind(now, live)
+                    self._reported_this_quiet = bool(left)
+                    return [Suspect(self._did_not_end(now, ranks, left, quiet), left)] if left else []
                 self._reported_this_quiet = True
                 return [Suspect(self._stall(now, live, quiet))]
             return []
@@ -250,6 +254,40 @@ class HangDetector(DetectorBase):
             },
         )
 
+    @staticmethod
+    def _outlived(ranks: dict[int, RankObs], live: dict[int, RankObs]) -> bool:
+        """A strict majority of the job ended cleanly and some ranks are still alive."""
+        return bool(live) and 2 * sum(1 for o in ranks.values() if _ended_cleanly(o)) > len(ranks)
+
+    def _left_behind(self, now: float, live: dict[int, RankObs]) -> list[int]:
+        """The ranks still alive after most of the job ended cleanly, when each of them is stuck (not working of
+        its own): a rank hung after its last step (a thread it joins, a lock, a teardown that never returns) keeps
+        the job from ending. Judged at the stall timeout, as a pause of the whole job is: ranks finish uploads,
+        evaluations and their loggers' last flush after the others left; one still working is never named."""
+        if any(o.moving_age(now) < self.hang_timeout_s or self.own_work(o, now) for o in live.values()):
+            return []
+        return sorted(live)
+
+    def _did_not_end(self, now, ranks, left, quiet) -> Finding:
+        ended = sorted(r for r in ranks if r not in left)
+        first = ranks[left[0]]
+        lead = who(first) if len(left) == 1 else rank_list(left)
+        last_exit = max((ranks[r].exited_at() or now) for r in ended)
+        return Finding(
+            kind=HANG,
+            summary=(
+                f"{lead} did not end: {rank_list(ended)} ended cleanly {now - last_exit:.0f} s ago, and it has "
+                f"made no progress for {quiet:.0f} s since its step {first.state.step} (stuck after its work)"
+            ),
+            culprit_ranks=list(left),
+            step=first.state.step,
+            hosts=sorted({ranks[r].host for r in left}),
+            pids=[ranks[r].state.pid for r in left],
+            evidence={"quiet_s": round(quiet, 1), "ended_ranks": ended, "left_ranks": list(left)},
+            confidence=1.0,
+            first_seen=0.0,
+        )
+
     def _stall(self, now, live, quiet) -> Finding:
         return Finding(
             kind=STALL,
@@ -260,6 +298,11 @@ class HangDetector(DetectorBase):
             confidence=0.3,
             evidence={"quiet_s": round(quiet, 1), "ranks": sorted(live)},
         )
+
+
+def _ended_cleanly(o: RankObs) -> bool:
+    e = o.state.exit
+    return e is not None and e.how == "exit" and e.code in (0, None)
 
 
 def _groups(ranks: dict[int, RankObs], live: dict[int, RankObs]):
