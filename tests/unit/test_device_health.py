@@ -580,3 +580,23 @@ def test_sampler_survives_a_broken_library():
     fake.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
     sampler = DeviceSampler(nvml=fake)
     assert not sampler.enabled and "boom" in sampler.reason and sampler.sample() == []
+
+
+def test_a_programs_xid_is_an_event_and_a_devices_xid_a_finding_naming_the_gpus_ranks():
+    # four ranks share one GPU; a kernel of one of them (or of another job there) fails: XID 43, nobody's to blame
+    from trainscout.detectors.devices import DeviceWatch
+    from trainscout.detectors.interface import JobView
+
+    watch = DeviceWatch()
+    watch.rank_gpu = {r: "vm:gpu0" for r in range(4)}
+    view = JobView(now=1.0, ranks={}, seen={}, live=set(), members={}, classes={})
+    watch.rules.add(_healthy("vm:gpu0", 1.0, random.Random(0), xids=((43, 1.0),)), now=1.0)
+    watch._new = True
+    judged = watch.judge(view)
+    assert judged.findings == [] and [k for k, _ in judged.events] == ["device_event"]
+    assert judged.events[0][1]["xid"] == 43 and judged.events[0][1]["cause"] == "application"
+
+    watch.rules.add(_healthy("vm:gpu0", 2.0, random.Random(1), xids=((79, 2.0),)), now=2.0)
+    watch._new = True
+    (finding,) = watch.judge(JobView(now=2.0, ranks={}, seen={}, live=set(), members={}, classes={})).findings
+    assert finding.culprit_ranks == [0, 1, 2, 3] and finding.evidence["xid"] == 79

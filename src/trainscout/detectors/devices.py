@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainscout.detectors.device_health import DeviceHealthDetector, GpuSample
+from trainscout.detectors.device_health import XID, DeviceHealthDetector, GpuSample
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement
 from trainscout.findings import HEALTH, Finding
 
@@ -37,7 +37,8 @@ class DeviceWatch(DetectorBase):
         self._new = True
 
     def judge(self, view: JobView) -> Judgement:
-        """GPUs that deviate from the GPUs of their replica class, and device error events."""
+        """GPUs that deviate from the GPUs of their replica class, and device error events (a program's own
+        XIDs go to events.jsonl)."""
         if not self._new:
             return Judgement()
         self._new = False
@@ -51,6 +52,13 @@ class DeviceWatch(DetectorBase):
             classes.setdefault(group, []).append(gpu)
         out = Judgement()
         for obs in self.rules.update(list(classes.values()), view.now):
+            if obs.kind == XID and obs.evidence.get("cause") == "application":
+                # a kernel of some process on the GPU failed (an illegal address, a device-side assert): NVML
+                # does not say whose, and on a shared GPU every job there sees it. The failing rank's own error
+                # names it (its crash carries the GPU's readings, this XID among them); blaming the GPU's ranks
+                # named healthy ones.
+                out.events.append(("device_event", {"gpu": obs.gpu, "summary": obs.summary, **obs.evidence}))
+                continue
             out.findings.append(
                 Finding(
                     kind=HEALTH,
