@@ -20,6 +20,8 @@
 - "repeat-step": rank 1 steps its optimizer twice at step 30: the same, one ahead;
 - "round-robin": from step 30 each rank in turn is held up 30 ms inside its training forward (rank r at the steps
   where step % world == r: work the script hands round, no rank's fault);
+- "gpu-hang": after its step 20 rank 2 queues a kernel that never ends on its stream (CUDA only), then goes on:
+  it blocks on its GPU inside the next gradient all-reduce, which its peers entered too;
 - "tail-hang": rank 2 sleeps for good after its last step, while the others end cleanly (a thread it joins, a
   lock, a teardown that never returns): the job never ends;
 - "tail-work": rank 0 writes its final artefacts for TAIL_S after its last step while the others end (a script's
@@ -161,6 +163,8 @@ with open(f"{log_prefix}.{rank}", "w") as log:
             evaluate(log)
         if mode in ("long-save", "long-eval", "long-compile", "long-prep", "stuck-save") and step == 20:
             rank_0_alone(log)
+        if mode == "gpu-hang" and rank == 2 and step == 20:
+            torch.cuda._sleep(1 << 62)
         if mode == "buffer-hang" and rank == 2 and step == 20:
             while True:
                 time.sleep(3600)

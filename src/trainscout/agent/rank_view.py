@@ -536,6 +536,7 @@ class RankView:
             busy=int(h["busy"]),
             busy_age_s=(now - int(h["busy_ns"])) / 1e9,
             moving_age_s=(now - int(h["moving_ns"])) / 1e9 if int(h["moving_ns"]) else 1e9,
+            gpu_pending_s=(now - int(h["gpu_pending_ns"])) / 1e9 if int(h["gpu_pending_ns"]) else 0.0,
             collectives=int(h["collectives"]),
             pgs=pgs,
             exit=exit_,

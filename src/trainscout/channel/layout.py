@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-MAGIC = 0x5453434F55540004  # "TSCOUT" + layout version 4
+MAGIC = 0x5453434F55540005  # "TSCOUT" + layout version 5
 RING_SLOTS = 4096
 DESC_BYTES = 120
 ERROR_PG_INDEX = -6  # ring records with this pg index are the probe's internal errors, in order
@@ -41,6 +41,8 @@ HEADER_DTYPE = np.dtype(
         ("dropped", "<i8"),  # records the Flight Recorder overwrote before the probe read them
         ("sig_mismatch", "<i8"),  # Python-path signatures that differed from the Flight Recorder's (self-check)
         ("moving_ns", "<i8"),  # last time the training thread was seen working between collectives (activity.py)
+        ("gpu_pending_ns", "<i8"),  # when an event behind the training stream's queued work was recorded, still
+        # not completed (gpu_queue.py; 0: none pending)
         # written by the training thread (optimizer step hook)
         ("step", "<i8"),
         ("step_ns", "<i8"),

@@ -41,6 +41,10 @@ class RankObs:
     def moving_age(self, now: float) -> float:
         return self.age(self.state.moving_age_s, now)
 
+    def gpu_pending(self, now: float) -> float:
+        """Seconds its training GPU has not completed the work queued when the probe looked (0: nothing pending)."""
+        return self.age(self.state.gpu_pending_s, now) if self.state.gpu_pending_s > 0 else 0.0
+
     def heartbeat_age(self, now: float) -> float:
         return self.age(self.state.heartbeat_age_s, now)
 

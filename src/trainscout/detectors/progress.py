@@ -129,6 +129,10 @@ class HangDetector(DetectorBase):
                 else:
                     ahead.setdefault(r, []).append((name, seqs[r]))
         if not behind and not unattributed and not ahead:
+            stuck_gpu = self._gpu_behind(now, live)
+            if stuck_gpu:
+                self._reported_this_quiet = True
+                return [Suspect(self._gpu_blame(now, live, stuck_gpu, quiet), stuck_gpu)]
             if quiet >= self.stall_timeout_s:
                 if self._outlived(ranks, live):  # most ranks ended: those left are stuck or still finishing
                     left = self._left_behind(now, live)
@@ -252,6 +256,37 @@ class HangDetector(DetectorBase):
                 "seq_by_rank": {str(k): v for k, v in seqs.items()},
                 "lagging_ranks": lagging,
             },
+        )
+
+    def _gpu_behind(self, now: float, live: dict[int, RankObs]) -> list[int]:
+        """With every rank at the same collective: those whose GPU has not finished its queued work for the hang
+        timeout while a strict majority's has (a kernel that never ends; its peers wait on the host for its data).
+        Exact C3 on "drained"; on NCCL the waiting peers' streams hold the collective's kernel too, and then no
+        majority drained and nobody is named."""
+        pending = {r for r, o in live.items() if o.gpu_pending(now) >= self.hang_timeout_s}
+        drained = [r for r, o in live.items() if o.gpu_pending(now) == 0.0]
+        if not pending or 2 * len(drained) <= len(live):
+            return []
+        return sorted(pending)
+
+    def _gpu_blame(self, now, live, culprits, quiet) -> Finding:
+        first = live[culprits[0]]
+        lead = who(first) if len(culprits) == 1 else rank_list(culprits)
+        waiting = sorted(r for r in live if r not in culprits)
+        pending = {str(r): round(live[r].gpu_pending(now), 1) for r in culprits}
+        return Finding(
+            kind=HANG,
+            summary=(
+                f"{lead}'s GPU has not finished its queued work for {max(pending.values()):.0f} s (a kernel that "
+                f"does not end); {rank_list(waiting)}, their GPUs idle, wait for it at step {first.state.step}"
+            ),
+            culprit_ranks=list(culprits),
+            step=first.state.step,
+            hosts=sorted({live[r].host for r in culprits}),
+            pids=[live[r].state.pid for r in culprits],
+            evidence={"quiet_s": round(quiet, 2), "gpu_pending_s": pending, "waiting_ranks": waiting},
+            confidence=1.0,
+            first_seen=0.0,
         )
 
     @staticmethod

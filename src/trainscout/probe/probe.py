@@ -24,6 +24,7 @@ from trainscout.channel.layout import (
 )
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import compiled, exits
+from trainscout.probe.gpu_queue import GpuQueue
 from trainscout.probe.activity import Activity
 from trainscout.probe.checkpoints import CheckpointHooks
 from trainscout.probe.collectives import CollectiveTap
@@ -76,6 +77,7 @@ class Probe:
         self._open_optimizer_steps: list[int] = []  # until it is chosen: ids of optimizers inside their step
         self.writer = ChannelWriter(run_id, rank, local_rank, world_size, attempt)
         self.activity = Activity(self.writer.set)
+        self.gpu_queue = GpuQueue(self.writer.set, lambda: self.timing.training_stream)
         self.injector = self._load_injector()
         self.tap = CollectiveTap(lambda: self.step, self.injector, self.report_error)
         self.publisher: Publisher | None = Publisher(  # None in a forked child
@@ -286,7 +288,9 @@ class Probe:
         return [p for p in candidates if p is not None]
 
     def _on_tick(self) -> None:
-        self.activity.look(int(self.writer.header["progress_ns"]))
+        progress_ns = int(self.writer.header["progress_ns"])
+        self.activity.look(progress_ns)
+        self.gpu_queue.look(progress_ns)
         self._read_requests()
 
     def _read_requests(self) -> None:

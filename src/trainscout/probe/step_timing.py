@@ -427,6 +427,11 @@ class StepTiming:
                 self.use_cuda(torch.cuda, loss.device)
             self._stream = torch.cuda.current_stream(loss.device)
 
+    @property
+    def training_stream(self):
+        """The CUDA stream the loss was last computed on (None before a CUDA loss)."""
+        return self._stream
+
     def add_checkpoint(self, wall_s: float, cpu_s: float) -> None:
         self.ckpt_s += wall_s
         self.io_cpu_s += cpu_s

@@ -156,6 +156,7 @@ class RankState(msgspec.Struct, array_like=True, gc=False):
     busy: int = 0  # what the rank does between collectives (markers.BUSY_*)
     busy_age_s: float = 0.0  # seconds since that began (saving, compiling) or was last seen (active)
     moving_age_s: float = 1e9  # seconds since its training thread was last seen working between collectives
+    gpu_pending_s: float = 0.0  # seconds its training GPU has not completed the work queued when the probe looked
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -1,5 +1,6 @@
-"""A rank stuck after its work while a strict majority of the job ended cleanly keeps the job from ending: it is
-named at the stall timeout (before: a stall naming nobody). One still working (an upload, an evaluation) is not."""
+"""Hangs the sequence numbers alone cannot place: a rank stuck after its work while a strict majority of the job
+ended cleanly (named at the stall timeout; before, a stall naming nobody; one still working is not named), and a
+rank whose GPU never finishes its queue while every rank is at one collective."""
 
 from __future__ import annotations
 
@@ -40,3 +41,19 @@ def test_a_rank_still_working_after_the_others_ended_is_not_named():
 def test_half_the_job_left_is_no_majority_and_blames_nobody():
     (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=300.0).update(100.0, _job({1: 400.0, 2: 400.0}))
     assert (s.finding.kind, s.finding.culprit_ranks) == ("stall", [])
+
+
+def test_a_rank_whose_gpu_never_finishes_its_queue_is_named_though_every_rank_is_at_one_collective():
+    # rank 2's stream holds a kernel that does not end; all four entered the all-reduce (gloo on CUDA tensors)
+    ranks = {r: obs(r, [pg(80)], progress_age=7.0, gpu_pending_s=6.0 if r == 2 else 0.0) for r in WORLD}
+    (s,) = HangDetector(hang_timeout_s=5.0).update(100.0, ranks)
+    assert (s.finding.kind, s.finding.culprit_ranks, s.stack_ranks) == ("hang", [2], [2])
+    assert "GPU has not finished" in s.finding.summary
+
+
+def test_no_gpu_verdict_without_a_drained_majority_or_before_the_hang_timeout():
+    # NCCL: the waiting peers' streams hold the collective's kernel too
+    ranks = {r: obs(r, [pg(80)], progress_age=7.0, gpu_pending_s=6.0 if r in (1, 2) else 0.0) for r in WORLD}
+    assert HangDetector(hang_timeout_s=5.0).update(100.0, ranks) == []
+    ranks = {r: obs(r, [pg(80)], progress_age=7.0, gpu_pending_s=3.0 if r == 2 else 0.0) for r in WORLD}
+    assert HangDetector(hang_timeout_s=5.0).update(100.0, ranks) == []

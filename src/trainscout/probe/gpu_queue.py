@@ -1,0 +1,59 @@
+"""Is the training GPU still working through its queue? Looked at on the probe's ticks while the rank makes no progress.
+
+A rank whose GPU hangs (a kernel that never ends: a spin, a deadlock in a custom kernel, a device that stopped)
+blocks on that GPU at its next synchronisation, usually inside the gradient all-reduce its peers wait in too:
+every member then shows the same sequence number and the hang vote has nobody behind. What tells it apart is
+its queue: an event recorded behind the work queued on its training stream does not complete, where its peers'
+streams, their work done, are idle while they wait on the host for its data.
+
+On ticks without progress the probe's thread records one event on the training stream (the stream the loss was
+computed on) and queries it on later ticks, never waiting: header `gpu_pending_ns` holds when the event still
+pending was recorded, 0 when none is. On progress the look ends. Nothing runs on the healthy path. Skipped while
+that stream captures a CUDA graph (an event recorded into a capture from another thread would break it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class GpuQueue:
+    def __init__(self, set_field: Callable[[str, int], None], stream_of: Callable[[], Any]) -> None:
+        self._set = set_field
+        self._stream_of = stream_of  # the training stream, or None (no CUDA loss seen)
+        self._event: Any = None
+        self._progress_seen: int | None = None
+        self.broken = False
+
+    def look(self, progress_ns: int) -> None:
+        """Publisher thread, each tick."""
+        if progress_ns != self._progress_seen:  # it issued a collective since: the look ends
+            self._progress_seen = progress_ns
+            self._clear()
+            return
+        stream = self._stream_of()
+        torch = sys.modules.get("torch")
+        if stream is None or torch is None or self.broken:
+            return
+        try:
+            if self._event is None:
+                with torch.cuda.stream(stream):
+                    if torch.cuda.is_current_stream_capturing():
+                        return
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._event = event
+                self._set("gpu_pending_ns", time.monotonic_ns())
+            elif self._event.query():
+                self._clear()
+        except Exception:  # a CUDA error here is the job's to report, not ours: stop looking
+            self.broken = True
+            self._clear()
+
+    def _clear(self) -> None:
+        if self._event is not None:
+            self._event = None
+            self._set("gpu_pending_ns", 0)
