@@ -164,7 +164,7 @@ with open(f"{log_prefix}.{rank}", "w") as log:
         if mode in ("long-save", "long-eval", "long-compile", "long-prep", "stuck-save") and step == 20:
             rank_0_alone(log)
         if mode == "gpu-hang" and rank == 2 and step == 20:
-            torch.cuda._sleep(1 << 62)
+            torch.cuda._sleep(int(120e9))  # about a minute: a test that misses it fails instead of hanging
         if mode == "buffer-hang" and rank == 2 and step == 20:
             while True:
                 time.sleep(3600)

@@ -23,7 +23,7 @@ objects of its frames) changed while it computed (its own CPU time grew by a ten
 rank asleep, blocked on a lock or a dead socket, spinning in one function (CPU, one stack), or polling for
 something that never comes (a changing stack, no CPU, a log line at most) is named as before. (A look lands where
 the training thread lets go of the GIL, in a tight loop always at the same place: a loop over a few lines of one
-function reads as a spin.) A look costs ~20 us, only on ticks without progress.
+function reads as a spin.) A look costs ~20 us a tick (the one after progress takes the baseline).
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ class Activity:
 
     def look(self, progress_ns: int) -> None:
         """Publisher thread, each tick: while progress_ns stays put, note when the training thread moves on its own."""
-        if progress_ns != self._progress_seen:  # it issued a collective since: no look needed, a new baseline
-            self._progress_seen, self._seen = progress_ns, None
-            return
         now = time.monotonic_ns()
         seen = (_code_stack(sys._current_frames().get(self.thread)), _io_bytes(self._native), _cpu_ns(self.thread), now)
         last, self._seen = self._seen, seen
+        if progress_ns != self._progress_seen:  # it issued a collective since: this look is the new baseline (taken
+            self._progress_seen = progress_ns  # now, not a tick later: work begun alone shows at the next tick)
+            return
         if last is None:
             return
         computed = seen[2] - last[2] >= (now - last[3]) // 10

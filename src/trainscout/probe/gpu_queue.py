@@ -6,10 +6,11 @@ every member then shows the same sequence number and the hang vote has nobody be
 its queue: an event recorded behind the work queued on its training stream does not complete, where its peers'
 streams, their work done, are idle while they wait on the host for its data.
 
-On ticks without progress the probe's thread records one event on the training stream (the stream the loss was
-computed on) and queries it on later ticks, never waiting: header `gpu_pending_ns` holds when the event still
-pending was recorded, 0 when none is. On progress the look ends. Nothing runs on the healthy path. Skipped while
-that stream captures a CUDA graph (an event recorded into a capture from another thread would break it).
+On the first tick without progress the probe's thread records one event on the training stream (the stream the
+loss was computed on) and queries it on later ticks, never waiting: header `gpu_pending_ns` holds when it was
+recorded until it completes, then 0 for the rest of that quiet spell (one event a spell: a drained queue reads 0
+throughout, not the age of a fresh event). On progress the look ends. Nothing runs on the healthy path. Skipped
+while that stream captures a CUDA graph (an event recorded into a capture from another thread would break it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class GpuQueue:
         self._set = set_field
         self._stream_of = stream_of  # the training stream, or None (no CUDA loss seen)
         self._event: Any = None
+        self._drained = False  # this quiet spell's event completed
         self._progress_seen: int | None = None
         self.broken = False
 
@@ -32,11 +34,12 @@ class GpuQueue:
         """Publisher thread, each tick."""
         if progress_ns != self._progress_seen:  # it issued a collective since: the look ends
             self._progress_seen = progress_ns
+            self._drained = False
             self._clear()
             return
         stream = self._stream_of()
         torch = sys.modules.get("torch")
-        if stream is None or torch is None or self.broken:
+        if stream is None or torch is None or self.broken or self._drained:
             return
         try:
             if self._event is None:
@@ -48,6 +51,7 @@ class GpuQueue:
                 self._event = event
                 self._set("gpu_pending_ns", time.monotonic_ns())
             elif self._event.query():
+                self._drained = True
                 self._clear()
         except Exception:  # a CUDA error here is the job's to report, not ours: stop looking
             self.broken = True
