@@ -274,19 +274,12 @@ class HangDetector(DetectorBase):
         lead = who(first) if len(culprits) == 1 else rank_list(culprits)
         waiting = sorted(r for r in live if r not in culprits)
         pending = {str(r): round(live[r].gpu_pending(now), 1) for r in culprits}
-        return Finding(
-            kind=HANG,
-            summary=(
-                f"{lead}'s GPU has not finished its queued work for {max(pending.values()):.0f} s (a kernel that "
-                f"does not end); {rank_list(waiting)}, their GPUs idle, wait for it at step {first.state.step}"
-            ),
-            culprit_ranks=list(culprits),
-            step=first.state.step,
-            hosts=sorted({live[r].host for r in culprits}),
-            pids=[live[r].state.pid for r in culprits],
-            evidence={"quiet_s": round(quiet, 2), "gpu_pending_s": pending, "waiting_ranks": waiting},
-            confidence=1.0,
-            first_seen=0.0,
+        summary = (
+            f"{lead}'s GPU has not finished its queued work for {max(pending.values()):.0f} s (a kernel that "
+            f"does not end); {rank_list(waiting)}, their GPUs idle, wait for it at step {first.state.step}"
+        )
+        return _hang(
+            live, culprits, summary, {"quiet_s": round(quiet, 2), "gpu_pending_s": pending, "waiting_ranks": waiting}
         )
 
     @staticmethod
@@ -308,20 +301,11 @@ class HangDetector(DetectorBase):
         first = ranks[left[0]]
         lead = who(first) if len(left) == 1 else rank_list(left)
         last_exit = max((ranks[r].exited_at() or now) for r in ended)
-        return Finding(
-            kind=HANG,
-            summary=(
-                f"{lead} did not end: {rank_list(ended)} ended cleanly {now - last_exit:.0f} s ago, and it has "
-                f"made no progress for {quiet:.0f} s since its step {first.state.step} (stuck after its work)"
-            ),
-            culprit_ranks=list(left),
-            step=first.state.step,
-            hosts=sorted({ranks[r].host for r in left}),
-            pids=[ranks[r].state.pid for r in left],
-            evidence={"quiet_s": round(quiet, 1), "ended_ranks": ended, "left_ranks": list(left)},
-            confidence=1.0,
-            first_seen=0.0,
+        summary = (
+            f"{lead} did not end: {rank_list(ended)} ended cleanly {now - last_exit:.0f} s ago, and it has "
+            f"made no progress for {quiet:.0f} s since its step {first.state.step} (stuck after its work)"
         )
+        return _hang(ranks, left, summary, {"quiet_s": round(quiet, 1), "ended_ranks": ended, "left_ranks": list(left)})
 
     def _stall(self, now, live, quiet) -> Finding:
         return Finding(
@@ -333,6 +317,22 @@ class HangDetector(DetectorBase):
             confidence=0.3,
             evidence={"quiet_s": round(quiet, 1), "ranks": sorted(live)},
         )
+
+
+def _hang(ranks: dict[int, RankObs], culprits: list[int], summary: str, evidence: dict) -> Finding:
+    """A hang the sequence numbers alone could not place, attributed to `culprits` (their stacks are fetched)."""
+    first = ranks[culprits[0]]
+    return Finding(
+        kind=HANG,
+        summary=summary,
+        culprit_ranks=list(culprits),
+        step=first.state.step,
+        hosts=sorted({ranks[r].host for r in culprits}),
+        pids=[ranks[r].state.pid for r in culprits],
+        evidence=evidence,
+        confidence=1.0,
+        first_seen=0.0,
+    )
 
 
 def _ended_cleanly(o: RankObs) -> bool:
