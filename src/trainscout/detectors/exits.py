@@ -267,8 +267,8 @@ class ExitDetector(DetectorBase):
         elif from_outside:
             cause = (
                 f"{e.message} from outside the job while its peers were training (neither the launcher nor "
-                "trainscout sent it, and no other rank was sent one): an operator, a node daemon or the OOM "
-                "policy stopped it"
+                "trainscout sent it, and no other rank was sent one): an operator, a node daemon or an out-of-memory "
+                "daemon stopped it"
             )
         else:
             cause = e.message
