@@ -51,6 +51,7 @@ class Activity:
         self._native: int = main.native_id or 0
         self._progress_seen = -1  # progress_ns at the last look; the stack and I/O then (None: not looked yet)
         self._seen: tuple | None = None  # (code stack, I/O bytes, CPU ns, monotonic ns)
+        self.blocked = False  # since the last look the training thread neither computed nor moved: it waits
 
     def forward(self, *_args) -> None:
         """A forward pre-hook: the rank ran a forward pass now (unless a save or compilation is in progress)."""
@@ -65,12 +66,14 @@ class Activity:
         now = time.monotonic_ns()
         seen = (_code_stack(sys._current_frames().get(self.thread)), _io_bytes(self._native), _cpu_ns(self.thread), now)
         last, self._seen = self._seen, seen
+        self.blocked = False
         if progress_ns != self._progress_seen:  # it issued a collective since: this look is the new baseline (taken
             self._progress_seen = progress_ns  # now, not a tick later: work begun alone shows at the next tick)
             return
         if last is None:
             return
         computed = seen[2] - last[2] >= (now - last[3]) // 10
+        self.blocked = not computed and seen[0] == last[0] and seen[1] - last[1] < MOVING_IO_BYTES
         if seen[1] - last[1] >= MOVING_IO_BYTES or computed and seen[0] != last[0]:
             self._set("moving_ns", now)
 

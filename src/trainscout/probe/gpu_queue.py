@@ -6,11 +6,14 @@ every member then shows the same sequence number and the hang vote has nobody be
 its queue: an event recorded behind the work queued on its training stream does not complete, where its peers'
 streams, their work done, are idle while they wait on the host for its data.
 
-On the first tick without progress the probe's thread records one event on the training stream (the stream the
-loss was computed on) and queries it on later ticks, never waiting: header `gpu_pending_ns` holds when it was
-recorded until it completes, then 0 for the rest of that quiet spell (one event a spell: a drained queue reads 0
-throughout, not the age of a fresh event). On progress the look ends. Nothing runs on the healthy path. Skipped
-while that stream captures a CUDA graph (an event recorded into a capture from another thread would break it).
+While the rank makes no progress and its training thread waits (it neither computed nor moved since the last
+tick: probe/activity.py), the probe's thread records one event on the training stream (the stream the loss was
+computed on) and queries it on later ticks, never waiting: header `gpu_pending_ns` holds when it was recorded until
+it completes, then 0 for the rest of that quiet spell (one event a spell: a drained queue reads 0 throughout, not
+the age of a fresh event). On progress, or once the training thread works again, the look ends. Nothing runs on
+the healthy path. Only a waiting training thread is looked at because CUDA forbids other threads' event queries
+while a graph is captured (a capture in progress would be broken): a thread capturing a graph is busy launching
+kernels; and the training stream's own capture status is checked first.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ class GpuQueue:
         self._progress_seen: int | None = None
         self.broken = False
 
-    def look(self, progress_ns: int) -> None:
-        """Publisher thread, each tick."""
-        if progress_ns != self._progress_seen:  # it issued a collective since: the look ends
+    def look(self, progress_ns: int, waiting: bool) -> None:
+        """Publisher thread, each tick; `waiting`: the training thread neither computed nor moved since the last."""
+        if progress_ns != self._progress_seen or not waiting:  # it issued a collective, or works: the look ends
             self._progress_seen = progress_ns
             self._drained = False
             self._clear()

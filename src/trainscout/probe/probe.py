@@ -290,7 +290,7 @@ class Probe:
     def _on_tick(self) -> None:
         progress_ns = int(self.writer.header["progress_ns"])
         self.activity.look(progress_ns)
-        self.gpu_queue.look(progress_ns)
+        self.gpu_queue.look(progress_ns, self.activity.blocked)
         self._read_requests()
 
     def _read_requests(self) -> None:
