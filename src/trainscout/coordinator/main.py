@@ -212,13 +212,20 @@ class Coordinator:
         if not isinstance(exits, ExitDetector):
             return False
         stopped = self._signalled_by_launcher()
-        interrupted = self.job_interrupted or self.aborting
-        for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True, stopped, interrupted):
+        for f in exits.update(now + 3600.0, self.ranks, self.launcher_codes, True, stopped, self._told_to_stop):
             self.emit(f, now)
         return True
 
+    @property
+    def _told_to_stop(self) -> bool:
+        """The whole job was told to stop: a supervisor or launcher got a signal, or --abort-on fired."""
+        return self.job_interrupted or self.aborting
+
     def _signalled_by_launcher(self) -> frozenset[int]:
-        """Ranks their own node's launcher said it sent a closing signal (pids are per host)."""
+        """Ranks their own node's launcher said it sent a closing signal (pids are per host). Every pass builds
+        a view: no walk over the ranks until a launcher has sent one."""
+        if not self.launcher_signalled:
+            return frozenset()
         return frozenset(
             r
             for r, o in self.ranks.items()
@@ -409,7 +416,7 @@ class Coordinator:
             launcher_codes=self.launcher_codes,
             launcher_done=self.launcher_done,
             launcher_signalled=self._signalled_by_launcher(),
-            job_interrupted=self.job_interrupted or self.aborting,
+            job_interrupted=self._told_to_stop,
             root_found=self.root_found,
             caught_up=self._caught_up,
             final=self._final,

@@ -185,11 +185,7 @@ class ExitDetector(DetectorBase):
         """Clean exits while peers still had work: they passed its step; or they issued collectives it
         never issued and then failed, or stayed blocked for `blocked_s` after it left."""
         clean = [
-            o
-            for o in exited
-            if o.state.exit.how == "exit"
-            and o.state.exit.code in (0, None)
-            and (first_abnormal_at is None or o.exited_at() <= first_abnormal_at)
+            o for o in exited if o.ended_cleanly() and (first_abnormal_at is None or o.exited_at() <= first_abnormal_at)
         ]
         early = []
         for o in clean:
@@ -276,7 +272,7 @@ class ExitDetector(DetectorBase):
         after = [o for o in exited if o.rank not in culprits]
         lead = who(first) if len(roots) == 1 else rank_list(culprits)
         summary = f"{lead} died first ({how}) at step {e.step}: {cause}"
-        if after and all(_exit(o).how == "exit" and _exit(o).code in (0, None) for o in after):
+        if after and all(o.ended_cleanly() for o in after):
             summary += f"; the other {len(after)} rank(s) had ended too"
         elif after:
             summary += f"; {len(after)} rank(s) failed after it"

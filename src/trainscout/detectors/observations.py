@@ -41,6 +41,11 @@ class RankObs:
     def moving_age(self, now: float) -> float:
         return self.age(self.state.moving_age_s, now)
 
+    def ended_cleanly(self) -> bool:
+        """It exited of its own accord with code 0 (its script ended, sys.exit(0))."""
+        e = self.state.exit
+        return e is not None and e.how == "exit" and e.code in (0, None)
+
     def gpu_pending(self, now: float) -> float:
         """Seconds its training GPU has not completed the work queued when the probe looked (0: nothing pending)."""
         return self.age(self.state.gpu_pending_s, now) if self.state.gpu_pending_s > 0 else 0.0

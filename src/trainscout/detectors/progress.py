@@ -263,11 +263,10 @@ class HangDetector(DetectorBase):
         timeout while a strict majority's has (a kernel that never ends; its peers wait on the host for its data).
         Exact C3 on "drained"; on NCCL the waiting peers' streams hold the collective's kernel too, and then no
         majority drained and nobody is named."""
-        pending = {r for r, o in live.items() if o.gpu_pending(now) >= self.hang_timeout_s}
-        drained = [r for r, o in live.items() if o.gpu_pending(now) == 0.0]
-        if not pending or 2 * len(drained) <= len(live):
-            return []
-        return sorted(pending)
+        pending = {r: o.gpu_pending(now) for r, o in live.items()}
+        stuck = sorted(r for r, age in pending.items() if age >= self.hang_timeout_s)
+        drained = sum(1 for age in pending.values() if age == 0.0)
+        return stuck if stuck and 2 * drained > len(live) else []
 
     def _gpu_blame(self, now, live, culprits, quiet) -> Finding:
         first = live[culprits[0]]
@@ -285,7 +284,7 @@ class HangDetector(DetectorBase):
     @staticmethod
     def _outlived(ranks: dict[int, RankObs], live: dict[int, RankObs]) -> bool:
         """A strict majority of the job ended cleanly and some ranks are still alive."""
-        return bool(live) and 2 * sum(1 for o in ranks.values() if _ended_cleanly(o)) > len(ranks)
+        return bool(live) and 2 * sum(1 for o in ranks.values() if o.ended_cleanly()) > len(ranks)
 
     def _left_behind(self, now: float, live: dict[int, RankObs]) -> list[int]:
         """The ranks still alive after most of the job ended cleanly, when each of them is stuck (not working of
@@ -333,11 +332,6 @@ def _hang(ranks: dict[int, RankObs], culprits: list[int], summary: str, evidence
         confidence=1.0,
         first_seen=0.0,
     )
-
-
-def _ended_cleanly(o: RankObs) -> bool:
-    e = o.state.exit
-    return e is not None and e.how == "exit" and e.code in (0, None)
 
 
 def _groups(ranks: dict[int, RankObs], live: dict[int, RankObs]):

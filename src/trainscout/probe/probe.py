@@ -24,12 +24,12 @@ from trainscout.channel.layout import (
 )
 from trainscout.channel.writer import ChannelWriter
 from trainscout.probe import compiled, exits
-from trainscout.probe.gpu_queue import GpuQueue
 from trainscout.probe.activity import Activity
 from trainscout.probe.checkpoints import CheckpointHooks
 from trainscout.probe.collectives import CollectiveTap
 from trainscout.probe.compiled import eager_hook
 from trainscout.probe.gather_check import GatherCheck
+from trainscout.probe.gpu_queue import GpuQueue
 from trainscout.probe import hpz_fix
 from trainscout.probe.hpz_check import HpzCheck
 from trainscout.probe.import_hooks import hooks
