@@ -30,6 +30,11 @@ BUSY_WHAT = {
 # Evidence layer names (probe/grad_sync.py) of the k-th gradient reduction of a step, as it entered the collective:
 # the one gradient statistic a sharded class's members can compare (their parameters' gradients are shards)
 GRAD_SYNC_LAYER = "grad-sync."
+# Evidence entries that count, per layer, the parameters whose local gradient this step is exactly 0, and those whose
+# gradient is bit for bit the one of the rank's previous step (nonzero): not made from this step's batch
+ZERO_PARAMS = "zero-params:"
+REPEATED_PARAMS = "repeated-params:"
+PARAM_COUNTS = (ZERO_PARAMS, REPEATED_PARAMS)
 # The role of the process groups trainscout makes beside the job's own (replay's, link probes', the fault
 # injector's): no part of the job's topology, and no evidence of where the job's own collectives hang
 PROBE_GROUP_ROLE = "trainscout"

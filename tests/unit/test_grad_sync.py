@@ -72,7 +72,8 @@ def test_a_steps_reductions_follow_its_layers_in_the_evidence_and_a_new_count_is
     evidence, sync, records, run_id = wired
     evidence.set_params(["blocks.0.w", "blocks.1.w"])
     first = _read_table(run_id)
-    assert first["layers"] == ["blocks.0", "blocks.1"]
+    counts = ["zero-params:blocks.0", "zero-params:blocks.1", "repeated-params:blocks.0", "repeated-params:blocks.1"]
+    assert first["layers"] == ["blocks.0", "blocks.1", *counts]
 
     for step, buckets in ((1, [3.0]), (2, [3.0, 4.0]), (3, [])):
         for value in buckets:
@@ -86,11 +87,12 @@ def test_a_steps_reductions_follow_its_layers_in_the_evidence_and_a_new_count_is
         evidence.step_ended(step)
         evidence.emit(step)
     norms = [np.frombuffer(rec[-1], dtype="<f4").tolist() for rec in records]
-    assert norms[0] == [1.0, 2.0, 3.0]
-    assert norms[1] == [1.0, 2.0, 3.0, 4.0]  # DDP rebuilt its buckets: two now
-    assert norms[2][:2] == [1.0, 2.0] and all(math.isnan(v) for v in norms[2][2:])  # none seen: unknown
+    # the layers' norms, then their counts of odd parameters (none: sums of squares that never move do not repeat)
+    assert norms[0] == [1.0, 2.0, 0, 0, 0, 0, 3.0]
+    assert norms[1] == [1.0, 2.0, 0, 0, 0, 0, 3.0, 4.0]  # DDP rebuilt its buckets: two now
+    assert norms[2][:6] == [1.0, 2.0, 0, 0, 0, 0] and all(math.isnan(v) for v in norms[2][6:])  # none seen: unknown
     table = _read_table(run_id)
-    assert table["layers"] == ["blocks.0", "blocks.1", "grad-sync.0", "grad-sync.1"]
+    assert table["layers"] == ["blocks.0", "blocks.1", *counts, "grad-sync.0", "grad-sync.1"]
     versions = [unpack_header(rec[3])[2] for rec in records]
     assert versions[0] < versions[1] == versions[2] == table["version"]
 

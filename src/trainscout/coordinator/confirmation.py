@@ -24,6 +24,7 @@ from trainscout.markers import GRAD_SYNC_LAYER
 
 LEAD_S = 2.5  # seconds of training ahead the checks are scheduled: the request must reach every probe first
 WAIT_S = 15.0  # after the scheduled step's time, how long the results may take before the finding goes out
+REPLAY_ONLY_PATTERNS = ("persistent", "zero-params", "repeated-params")  # named only where reproduced
 CONFIDENCE = {"reproduced": 0.95, "transient": 0.5, "unconfirmed": 0.6}
 
 
@@ -178,6 +179,16 @@ def numeric_finding(s: NumericSuspect) -> Finding:
             f"{_gradient_of(s.layer)} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
             f"{s.step}, before the reduction, while {calm}"
         )
+    elif s.pattern == "zero-params":
+        what = (
+            f"{s.count} parameter(s) of {s.layer} have a local gradient of exactly 0 in {len(s.steps)} steps in a "
+            "row, before the reduction, where a majority of its peers' have not (nor had its own before)"
+        )
+    elif s.pattern == "repeated-params":
+        what = (
+            f"the local gradient of {s.count} parameter(s) of {s.layer} at step {s.step} is bit for bit the one of "
+            "its step before (a stale gradient), before the reduction, where a majority of its peers' is not"
+        )
     elif s.pattern == "zero":
         what = (
             f"{_gradient_of(s.layer)} is exactly 0 in {len(s.steps)} steps in a row, before the reduction, where "
@@ -205,6 +216,7 @@ def numeric_finding(s: NumericSuspect) -> Finding:
             "flagged_steps": s.steps,
             "layers": s.layers,
             "loss_z": round(s.loss_z, 2),
+            **({"parameters": s.count} if s.count else {}),
             **({"coupled": True} if s.coupled else {}),
         },
     )
@@ -216,8 +228,11 @@ def is_observation(f: Finding) -> bool:
     5 steps, twice in a 1-hour clean run), while a device computing wrong reproduces, and a forward gone
     wrong also moves the loss (judged on its own). A rank coupled to others (tensor- or pipeline-parallel) is
     named only where replay reproduced the deviation on it: otherwise the deviation may be any of its model
-    replica's ranks' (a flip on one pipeline stage moved the next stage's loss)."""
+    replica's ranks' (a flip on one pipeline stage moved the next stage's loss). Odd parameters (one gradient
+    exactly 0, or repeating its step before) are named only where replay reproduced them too: a mixture of experts'
+    router leaves an expert of a rank without a gradient now and then."""
     reproduced = f.evidence.get("confirmation", {}).get("outcome") == "reproduced"
     if f.evidence.get("coupled"):
         return not reproduced
-    return f.evidence.get("statistic") == "grad_norm" and f.evidence.get("pattern") == "persistent" and not reproduced
+    pattern = f.evidence.get("pattern")
+    return f.evidence.get("statistic") == "grad_norm" and pattern in REPLAY_ONLY_PATTERNS and not reproduced

@@ -24,6 +24,11 @@ fault itself while it lasts). A rank is a suspect when it is far out in robust z
 Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
 which confirms them (replay, state fingerprints) before a finding is emitted.
 
+- odd parameters (gradients only): one of a layer's parameters, not the whole layer, whose local gradient is exactly 0
+  for ZERO_PARAM_STEPS steps in a row, or repeats the rank's previous step bit for bit (a gradient dropped or held
+  stale on its way, which moves its layer's norm by too little to see), on a strict minority of ranks, after
+  ZERO_HISTORY steps in which it did not. Such a suspect is named only where replay reproduces it: a mixture of
+  experts' router leaves an expert without a gradient now and then, and a one-step fault is gone by the replay.
 Besides the layers, the evidence lists each gradient bucket as it entered its data-parallel reduction
 (`grad-sync.K`, probe/grad_sync.py: a DDP communication hook's bucket, FSDP2's reduce-scatter input), compared
 like a layer: a bucket changed on its way to the reduction shows there alone.
@@ -51,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainscout.detectors.interface import Confirm, DetectorBase, JobView, Judgement, shard_group
-from trainscout.markers import GRAD_SYNC_LAYER, P2P_WAIT
+from trainscout.markers import GRAD_SYNC_LAYER, P2P_WAIT, PARAM_COUNTS, REPEATED_PARAMS, ZERO_PARAMS
 
 if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
     from trainscout.wire.messages import NodeDigest
@@ -83,6 +88,8 @@ TURBULENT = 3.0  # a step whose spread across ranks is this many times the usual
 SPIKE_GAP = 50  # at most one spike suspect per rank in this many steps (a fault that repeats is not a flood)
 ZERO_STEPS = 8  # a layer's gradient exactly 0 this many steps in a row on one rank, every peer's not ...
 ZERO_HISTORY = 16  # ... after at least this many judged steps in which it was not 0 either
+ZERO_PARAM_STEPS = 3  # one parameter's gradient exactly 0 this many steps in a row (a repeat: once) on a minority
+ODD_PATTERNS = {ZERO_PARAMS: "zero-params", REPEATED_PARAMS: "repeated-params"}
 WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
 _TINY = 1e-30
 
@@ -92,7 +99,7 @@ class NumericSuspect:
     rank: int
     step: int  # the step that completed the evidence
     statistic: str  # "loss" | "grad_norm"
-    pattern: str  # "persistent" | "spike" | "zero"
+    pattern: str  # "persistent" | "spike" | "zero" | "zero-params" | "repeated-params"
     layer: str = ""  # for grad_norm: the layer that deviates most
     ratio: float = 1.0  # the rank's value over its peers' median (for norms: of the norm)
     z: float = 0.0
@@ -101,6 +108,7 @@ class NumericSuspect:
     loss_z: float = 0.0  # the rank's loss z at `step`
     confirmable: bool = True  # False in a sharded class: no replica holds the rank's state or replays its layers
     coupled: bool = False  # its numbers depend on other ranks' work (tensor- or pipeline-parallel peers)
+    count: int = 0  # odd parameters: how many of the layer's parameters (exactly 0, or repeating the step before)
 
 
 class _Stat:
@@ -153,6 +161,8 @@ class NumericDetector(DetectorBase):
         self._p2p_steps: dict[int, list[int]] = {}  # rank -> [steps with point-to-point calls, steps seen]
         self._zero_runs: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps in a row its gradient was 0
         self._nonzero: dict[tuple[int, str], int] = {}  # (rank, layer) -> judged steps its gradient was not 0
+        self._odd_runs: dict[tuple[int, str], list[int]] = {}  # (rank, count entry) -> steps in a row it was odd
+        self._even: dict[tuple[int, str], int] = {}  # (rank, count entry) -> judged steps it was not odd
         self.steps_judged = 0
         self.trace: deque = deque(maxlen=200)  # recent suspects and near-misses, for diagnosis
 
@@ -259,7 +269,7 @@ class NumericDetector(DetectorBase):
         out: dict[str, dict[int, float]] = {}
         for r, norms in entry["norms"].items():
             for layer, n in zip(layers, norms):
-                if math.isfinite(n) and n > 0:
+                if math.isfinite(n) and n > 0 and not layer.startswith(PARAM_COUNTS):
                     out.setdefault(layer, {})[r] = math.log(max(n, _TINY))
         return {layer: v for layer, v in out.items() if len(v) >= 3}
 
@@ -303,6 +313,7 @@ class NumericDetector(DetectorBase):
                         )
                     )
         out.extend(self._zeroed(group, step, entry, loss_z))
+        out.extend(self._odd_params(group, step, entry, loss_z))
         for r, layers in norm_flags.items():
             spikes = {
                 k: v
@@ -348,6 +359,8 @@ class NumericDetector(DetectorBase):
             return []
         out: list[NumericSuspect] = []
         for i, layer in enumerate(self._layers.get(group, [])):
+            if layer.startswith(PARAM_COUNTS):
+                continue
             values = {r: v[i] for r, v in norms.items() if math.isfinite(v[i])}
             zero = [r for r, v in values.items() if v == 0]
             for r, v in values.items():
@@ -381,6 +394,54 @@ class NumericDetector(DetectorBase):
                         steps=list(run),
                         loss_z=loss_z.get(r, 0.0),
                         layers={layer: 0.0},
+                    )
+                )
+        return out
+
+    def _odd_params(self, group: str, step: int, entry: dict, loss_z: dict[int, float]) -> list[NumericSuspect]:
+        """A rank with more parameters of a layer gradient-less (exactly 0) or repeating its previous step than a
+        strict majority of its class (ZERO_PARAM_STEPS steps in a row for zeros, one step for a repeat), after
+        ZERO_HISTORY judged steps in which it had not."""
+        norms = entry["norms"]
+        if len(norms) < 3:
+            return []
+        out: list[NumericSuspect] = []
+        names = self._layers.get(group, [])
+        position = {name: i for i, name in enumerate(names)}
+        for i, name in enumerate(names):
+            kind = next((k for k in PARAM_COUNTS if name.startswith(k)), None)
+            if kind is None:
+                continue
+            norm_at = position.get(name[len(kind) :])
+            # a layer whose whole gradient is 0 is the zero rule's (_zeroed)
+            values = {r: v[i] for r, v in norms.items() if math.isfinite(v[i]) and (norm_at is None or v[norm_at] != 0)}
+            if len(values) < 3:
+                continue
+            for r, v in values.items():
+                key = (r, name)
+                fewer = sum(1 for w in values.values() if w < v)
+                if not (v > 0 and 2 * fewer > len(values)):
+                    self._even[key] = self._even.get(key, 0) + 1
+                    self._odd_runs.pop(key, None)
+                    continue
+                run = self._odd_runs.setdefault(key, [])
+                run.append(step)
+                needed = ZERO_PARAM_STEPS if kind == ZERO_PARAMS else 1
+                pattern = ODD_PATTERNS[kind]
+                if len(run) < needed or self._even.get(key, 0) < ZERO_HISTORY or (r, name, pattern) in self._reported:
+                    continue
+                self._reported.add((r, name, pattern))
+                layer = name[len(kind) :]
+                out.append(
+                    NumericSuspect(
+                        r,
+                        step,
+                        "grad_norm",
+                        pattern,
+                        layer=layer,
+                        steps=list(run),
+                        loss_z=loss_z.get(r, 0.0),
+                        count=int(v),
                     )
                 )
         return out

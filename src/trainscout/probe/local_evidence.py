@@ -10,6 +10,15 @@ A layer is a parameter's name up to its first numeric component (`blocks.3.attn.
 else its parent module (`head.weight` -> `head`): the granularity of the replay rotation, coarse enough that a
 record stays small. Layer names go to a sidecar table once; records carry the loss as float64 bits and the
 norms as packed float32 (NORMS_PER_RECORD per ring record, several records for a large model).
+
+After the norms come two counts per layer: its parameters whose local gradient is exactly 0 this step, and those
+whose sum of squares is bit for bit the one of the step before (and not 0). A layer's norm hides one parameter's
+gradient dropped or held stale (a hook zeroing it, a stale copy): the counts show it. A sum of squares is read at
+float32 precision (one fused norm a step; float64 costs 3.7x), so two different gradients share a norm by chance
+now and then: a parameter whose norm barely moves repeats it often, and is not counted (its sum of squares must
+usually move by REPEAT_MIN_CHANGE or more a step); one that moves still did once in a 300-step 4-rank run (two
+gradients 0.03 apart, both of norm 0.07340596). The coordinator names an odd parameter only where replay
+reproduces it (detectors/numerics.py), so a chance repeat costs one confirmation, never a finding.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trainscout.channel.layout import DESC_BYTES, evidence_table_path
-from trainscout.markers import GRAD_SYNC_LAYER
+from trainscout.markers import GRAD_SYNC_LAYER, REPEATED_PARAMS, ZERO_PARAMS
 
 if TYPE_CHECKING:
     from trainscout.probe.grad_sync import GradSyncNorms
@@ -34,6 +43,8 @@ NORMS_PER_RECORD = DESC_BYTES // 4
 _LOSS = struct.Struct("<d")
 _BITS = struct.Struct("<Q")
 _MAX_HELD = 64
+REPEAT_MIN_CHANGE = 0.05  # |log| of a sum of squares' step-to-step ratio, averaged over ~10 steps (see above)
+_CHANGE_WEIGHT = 0.1
 
 
 def layer_of(name: str) -> str:
@@ -79,12 +90,15 @@ class LocalEvidence:
         self._syncs = 0  # gradient reductions a step, listed after the layers as `grad-sync.K`
         # CUDA steps' values whose reductions' norms are still in flight
         self._held: list[tuple[int, float, np.ndarray | None]] = []
+        self._previous: tuple[int, np.ndarray] | None = None  # the last measured step and its sums of squares
+        self._change = np.zeros(0)  # per parameter: how much its sum of squares moves a step (a running mean)
 
     def set_params(self, names: list[str]) -> None:
         """The parameters whose sums of squares `add_sumsq` will receive, in that order."""
         layers = list(dict.fromkeys(layer_of(n) for n in names))
         index = {name: i for i, name in enumerate(layers)}
         self._layer_index = np.asarray([index[layer_of(n)] for n in names], dtype=np.int64)
+        self._previous, self._change = None, np.zeros(0)  # another parameter list: no step before to repeat
         if layers != self.layers:
             self.layers = layers
             self.version += 1
@@ -100,7 +114,8 @@ class LocalEvidence:
             pass  # the records still carry the loss; norms without names are dropped by the agent
 
     def _names(self) -> list[str]:
-        return self.layers + [f"{GRAD_SYNC_LAYER}{k}" for k in range(self._syncs)]
+        counts = [f"{kind}{layer}" for kind in (ZERO_PARAMS, REPEATED_PARAMS) for layer in self.layers]
+        return self.layers + counts + [f"{GRAD_SYNC_LAYER}{k}" for k in range(self._syncs)]
 
     def add_loss(self, value: float) -> None:
         """A scalar loss entered backward (several per step with gradient accumulation: their mean is kept)."""
@@ -151,12 +166,13 @@ class LocalEvidence:
             measured = True
             with np.errstate(invalid="ignore", over="ignore"):
                 per_layer = np.bincount(self._layer_index, weights=sumsq.astype(np.float64), minlength=len(self.layers))
-                norms = np.sqrt(per_layer).astype(np.float32)
+                norms = np.concatenate([np.sqrt(per_layer), self._param_counts(step, sumsq)]).astype(np.float32)
         else:  # the layers not measured (FSDP2's gradients are shards anyway): only the reductions' inputs, if any
             measured = False
-            norms = np.full(len(self.layers), np.nan, dtype=np.float32)
+            norms = np.full(3 * len(self.layers), np.nan, dtype=np.float32)
+        unsynced = len(norms)
         norms = self._with_syncs(step, norms)
-        if not measured and len(norms) == len(self.layers):
+        if not measured and len(norms) == unsynced:
             norms = np.zeros(0, dtype=np.float32)  # nothing measured: the loss alone
         bits, now = loss_bits(loss), time.time_ns()
         if not len(norms):
@@ -174,6 +190,29 @@ class LocalEvidence:
                 chunk.tobytes(),
             )
         self.records += 1
+
+    def _param_counts(self, step: int, sumsq: np.ndarray) -> np.ndarray:
+        """Per layer: how many of its parameters' gradients are exactly 0, then how many repeat the step before's
+        sum of squares bit for bit (only against the step just before, measured in the same parameter order)."""
+        n = len(self.layers)
+        zero = sumsq == 0
+        previous, self._previous = self._previous, (step, sumsq)
+        repeated = np.zeros(sumsq.shape, dtype=bool)
+        if previous is not None and previous[0] == step - 1 and previous[1].shape == sumsq.shape:
+            if self._change.shape != sumsq.shape:
+                self._change = np.zeros(sumsq.shape)
+            moving = self._change >= REPEAT_MIN_CHANGE
+            repeated = (sumsq == previous[1]) & ~zero & np.isfinite(sumsq) & moving
+            with np.errstate(divide="ignore", invalid="ignore"):
+                change = np.abs(np.log(sumsq / previous[1]))
+            change = np.where(np.isfinite(change), change, 0.0)
+            self._change += _CHANGE_WEIGHT * (change - self._change)
+        return np.concatenate(
+            [
+                np.bincount(self._layer_index, weights=zero, minlength=n),
+                np.bincount(self._layer_index, weights=repeated, minlength=n),
+            ]
+        )
 
     def _with_syncs(self, step: int, norms: np.ndarray) -> np.ndarray:
         """The layers' norms followed by the step's gradient reductions' (a new count of reductions is a new
