@@ -71,6 +71,28 @@ def test_one_step_of_gradient_noise_is_named_as_a_transient(jobs, tmp_path):
     assert ev["confirmation"]["outcome"] == "transient" and f["confidence"] <= 0.5, result.describe()
 
 
+def _odd_parameter_named(findings: list[dict]) -> bool:
+    return any(f["evidence"].get("pattern", "").endswith("-params") for f in findings if f["kind"] == "sdc")
+
+
+@pytest.mark.parametrize(
+    ("op", "pattern"),
+    [("zero", "zero-params"), ("stale", "repeated-params")],
+)
+def test_one_weights_gradient_dropped_or_held_stale_is_named_once_replay_reproduces_it(jobs, tmp_path, op, pattern):
+    """One parameter of a block, its local gradient zeroed or replaced by the previous pass's for good (a tensor
+    hook, as fault tools and buggy hooks do): its block's norm barely moves; the count of odd parameters names it."""
+    inject = f"gradnoise:rank=2:step=40:layer=blocks.1:param=2:op={op}:count=100000"
+    job = start_demo_with_fault(jobs, tmp_path, f"grad-{op}", inject, 400)
+    result = stop_once_found(job, _odd_parameter_named)
+    assert result.returncode in (0, STOPPED), result.describe()
+    (f,) = [f for f in result.findings if f["evidence"].get("pattern") == pattern]
+    assert (f["kind"], f["culprit_ranks"], f["evidence"]["layer"]) == ("sdc", [2], "blocks.1"), result.describe()
+    assert f["step"] - 40 <= 4, result.describe()
+    assert f["evidence"]["confirmation"]["outcome"] == "reproduced", result.describe()
+    assert _blamed(result) == {2}, result.describe()
+
+
 def test_a_bad_setting_is_refused_before_anything_starts(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "trainscout", "run", "--run-dir", str(tmp_path), "--", "true"],

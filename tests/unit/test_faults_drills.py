@@ -85,7 +85,9 @@ def test_new_kinds_parse_with_their_defaults() -> None:
     assert parse_faults("delay:rank=1;starve;gradnoise:step=3;outflip;corrupt") == [
         FaultSpec("delay", (1,), 10, {"ms": 100.0, "every": 1, "layer": "", "how": "sleep"}),
         FaultSpec("starve", None, 10, {"hogs": 2}),
-        FaultSpec("gradnoise", None, 3, {"scale": 100.0, "count": 1, "layer": "", "how": "tensor"}),
+        FaultSpec(
+            "gradnoise", None, 3, {"scale": 100.0, "count": 1, "layer": "", "how": "tensor", "op": "noise", "param": -1}
+        ),
         FaultSpec("outflip", None, 10, {"factor": -1.0, "layer": "", "how": "hook"}),
         FaultSpec(
             "corrupt",
@@ -129,6 +131,8 @@ def test_new_parameters_parse_and_round_trip() -> None:
         ("gradnoise:scale=0", "scale='0' must be > 0"),
         ("gradnoise:count=0", "count=0 must be >= 1"),
         ("gradnoise:how=weights", "how='weights' is not one of tensor, activation"),
+        ("gradnoise:op=flip", "op='flip' is not one of noise, zero, stale"),
+        ("gradnoise:param=-2", "param=-2 must be >= -1"),
         ("outflip:factor=1", "factor='1' changes nothing"),
         ("outflip:factor=inf", "factor='inf' must be a finite number"),
         ("outflip:factor=minus", "factor='minus' is not a number"),
@@ -282,6 +286,40 @@ def test_gradnoise_on_tensors_changes_exactly_the_layer_in_exactly_count_steps(m
             assert abs(float(diff.mean())) < 0.2 * float(diff.std())  # zero-mean noise
         else:
             assert changed(faulty, clean) == set(), done
+
+
+def test_gradnoise_zero_on_one_parameter_drops_exactly_its_gradient(make_injector) -> None:
+    per_iteration = gradients_per_iteration("gradnoise:rank=0:step=1:count=2:op=zero:param=2", make_injector, 4)
+    third = [n for n in per_iteration[0][1] if n.startswith("blocks.0.")][2]
+    for done, (faulty, clean) in enumerate(per_iteration):
+        assert changed(faulty, clean) == ({third} if done in (1, 2) else set()), done
+        if done in (1, 2):
+            assert not faulty[third].any() and clean[third].any()
+
+
+def test_gradnoise_stale_hands_on_the_gradient_of_the_pass_before(make_injector) -> None:
+    """lr=0 and a fixed batch keep the clean gradients equal, so the stale one is told apart by the batch: each
+    iteration here uses the batch of its own index."""
+    inj = make_injector("gradnoise:rank=0:step=1:count=2:op=stale:param=0")
+    model, opt = gpt(), None
+    first = next(n for n, _ in model.named_parameters() if n.startswith("blocks.0."))
+    seen = []
+    for done in range(4):
+        if done:
+            inj.on_step_end(done, opt, names_of(model), model)
+        model.zero_grad()
+        loss_of(model, tokens(seed=done)).backward()
+        seen.append(dict(model.named_parameters())[first].grad.clone())
+    fresh = gpt()
+    fresh_grads = []
+    for done in range(4):
+        fresh.zero_grad()
+        loss_of(fresh, tokens(seed=done)).backward()
+        fresh_grads.append(dict(fresh.named_parameters())[first].grad.clone())
+    assert torch.equal(seen[0], fresh_grads[0])
+    assert torch.equal(seen[1], fresh_grads[1])  # armed after step 1: no pass before it to hand on
+    assert torch.equal(seen[2], fresh_grads[1])  # step 2's pass gets step 1's gradient
+    assert torch.equal(seen[3], fresh_grads[3])  # count=2 over
 
 
 def test_gradnoise_hooks_come_off_after_their_steps(make_injector) -> None:

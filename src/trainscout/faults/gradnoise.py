@@ -10,6 +10,11 @@ the rank. Two mechanisms, so a detector cannot lean on one:
               layer is noisy: its parameter gradients and everything upstream of it are corrupted.
 The noise is Gaussian with std = scale x the RMS of the gradient it is added to, generated on the gradient's
 device and dtype from a generator seeded by rank and step, so a rerun injects the same noise.
+
+Other operations on the same path (`op`): `zero` drops the gradient (all zeros), `stale` hands on the gradient of
+the rank's previous backward pass instead of this one's (a stale copy; the first pass after arming has none and
+passes). `param=N` limits a tensor-hook fault to the layer's N-th trainable parameter: one weight's gradient
+dropped or held stale barely moves its layer's norm.
 """
 
 from __future__ import annotations
@@ -41,25 +46,39 @@ class GradNoiseDrill:
         self.rank = rank
         self.schedule = StepSchedule(start, count=int(params["count"]))
         self._layer_name, self._layer = find_layer(model, params["layer"])
+        self.op = params.get("op", "noise")
+        self.param = int(params.get("param", -1))
+        self._previous: dict[int, Any] = {}  # op=stale: tensor index -> its gradient of the last backward pass
         self._handles: list[Any] = []
         self._step: int | None = None  # last completed optimizer step (the clock the hooks read)
 
     def arm(self) -> str:
         if self.how == "tensor":
-            params = [p for p in self._layer.parameters() if p.requires_grad]
-            if not params:
+            named = [(n, p) for n, p in self._layer.named_parameters() if p.requires_grad]
+            if not named:
                 raise ValueError(f"{describe_layer(self._layer_name)} has no trainable parameter")
-            for index, p in enumerate(params):
+            if self.param >= len(named):
+                raise ValueError(
+                    f"{describe_layer(self._layer_name)} has {len(named)} trainable parameter(s), no param={self.param}"
+                )
+            if self.param >= 0:
+                named = [named[self.param]]
+            for index, (_, p) in enumerate(named):
                 self._handles.append(p.register_hook(lambda grad, index=index: self._on_grad(grad, index)))
-            where = f"the local gradients of {describe_layer(self._layer_name)}'s {len(params)} parameter(s)"
+            which = f"parameter {named[0][0]}" if self.param >= 0 else f"{len(named)} parameter(s)"
+            where = f"the local gradients of {describe_layer(self._layer_name)}'s {which}"
         else:
+            if self.op == "stale":
+                raise ValueError("gradnoise op=stale needs how=tensor (a parameter's own gradient to hold)")
             self._handles.append(self._layer.register_forward_hook(self._on_output))
             where = f"the gradient flowing back into {describe_layer(self._layer_name)}'s output"
         count = self.schedule.count
-        return (
-            f"how={self.how}: noise of {self.scale:g}x the RMS added to {where} in {count} backward "
-            f"pass(es) from step {self.schedule.start}"
-        )
+        what = {
+            "noise": f"noise of {self.scale:g}x the RMS added to",
+            "zero": "zeros in place of",
+            "stale": "the previous backward pass's gradient in place of",
+        }[self.op]
+        return f"how={self.how}: {what} {where} in {count} backward pass(es) from step {self.schedule.start}"
 
     def on_step(self, step: int) -> None:
         self._step = step
@@ -77,9 +96,18 @@ class GradNoiseDrill:
         return ((self.rank * 1_000_003 + (self._step or 0)) * 1_009 + index) % (1 << 63)
 
     def _on_grad(self, grad: Any, index: int) -> Any:
-        if not self._active() or grad is None or grad.is_sparse:
+        if grad is None or grad.is_sparse or self._broken:
             return None  # None: the gradient passes unchanged
         try:
+            previous = self._previous.get(index)
+            if self.op == "stale":
+                self._previous[index] = grad.detach().clone()
+            if not self._active():
+                return None
+            if self.op == "zero":
+                return grad.detach().new_zeros(grad.shape)
+            if self.op == "stale":
+                return previous if previous is not None and previous.shape == grad.shape else None
             return noisy(grad, self.scale, self._seed(index))
         except Exception as exc:
             self._fail_open(exc)
@@ -94,6 +122,7 @@ class GradNoiseDrill:
                 self._fail_open(exc)
 
     def close(self) -> None:
+        self._previous.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -37,7 +37,7 @@ _KIND_PARAMS: dict[str, dict[str, Any]] = {
     "gpuslow": {"ms": 20.0},
     "delay": {"ms": 100.0, "every": 1, "layer": "", "how": "sleep"},
     "starve": {"hogs": 2},
-    "gradnoise": {"scale": 100.0, "count": 1, "layer": "", "how": "tensor"},
+    "gradnoise": {"scale": 100.0, "count": 1, "layer": "", "how": "tensor", "op": "noise", "param": -1},
     "outflip": {"factor": -1.0, "layer": "", "how": "hook"},
 }
 KINDS: tuple[str, ...] = tuple(_KIND_PARAMS)
@@ -49,6 +49,7 @@ CORRUPT_HOWS = ("bitflip", "sign", "scale", "pct1", "pct100", "expflip", "signfl
 NAN_WHERES = ("param", "grad")
 DELAY_HOWS = ("sleep", "busy", "read", "lock", "gpu", "data")
 GRADNOISE_HOWS = ("tensor", "activation")
+GRADNOISE_OPS = ("noise", "zero", "stale")
 OUTFLIP_HOWS = ("hook", "patch")
 
 _COMMON_KEYS = ("rank", "step", "attempt")
@@ -189,6 +190,8 @@ _PARAM_PARSERS: dict[tuple[str, str], Callable[[str, str, str], Any]] = {
     ("gradnoise", "count"): lambda key, text, token: _parse_int(key, text, token, minimum=1),
     ("gradnoise", "layer"): _parse_text,
     ("gradnoise", "how"): _parse_choice(GRADNOISE_HOWS),
+    ("gradnoise", "op"): _parse_choice(GRADNOISE_OPS),
+    ("gradnoise", "param"): lambda key, text, token: _parse_int(key, text, token, minimum=-1),
     ("outflip", "factor"): _parse_factor,
     ("outflip", "layer"): _parse_text,
     ("outflip", "how"): _parse_choice(OUTFLIP_HOWS),
