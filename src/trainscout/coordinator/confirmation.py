@@ -179,6 +179,13 @@ def numeric_finding(s: NumericSuspect) -> Finding:
             f"{_gradient_of(s.layer)} was {s.ratio:.3g}x its peers' (robust z {s.z:+.1f}) at step "
             f"{s.step}, before the reduction, while {calm}"
         )
+    elif s.pattern == "biased":
+        side = "above" if s.ratio > 1 else "below"
+        stat = "its local loss" if s.statistic == "loss" else f"the norm of {_gradient_of(s.layer)}"
+        what = (
+            f"{stat} is {side} its peers' median in {len(s.steps)} of the last steps, by {s.ratio:.3g}x in the "
+            f"middle (robust z {s.z:+.1f} now: small against its batches' spread, but never on the other side)"
+        )
     elif s.pattern == "zero-params":
         what = (
             f"{s.count} parameter(s) of {s.layer} have a local gradient of exactly 0 in {len(s.steps)} steps in a "
@@ -228,11 +235,14 @@ def is_observation(f: Finding) -> bool:
     5 steps, twice in a 1-hour clean run), while a device computing wrong reproduces, and a forward gone
     wrong also moves the loss (judged on its own). A rank coupled to others (tensor- or pipeline-parallel) is
     named only where replay reproduced the deviation on it: otherwise the deviation may be any of its model
-    replica's ranks' (a flip on one pipeline stage moved the next stage's loss). Odd parameters (one gradient
+    replica's ranks' (a flip on one pipeline stage moved the next stage's loss). A biased rank (loss or norm on
+    one side of its peers' in nearly every step, by little) is named only where reproduced. Odd parameters (one gradient
     exactly 0, or repeating its step before) are named only where replay reproduced them too: a mixture of experts'
     router leaves an expert of a rank without a gradient now and then."""
     reproduced = f.evidence.get("confirmation", {}).get("outcome") == "reproduced"
     if f.evidence.get("coupled"):
         return not reproduced
     pattern = f.evidence.get("pattern")
+    if pattern == "biased":  # a rank's own data biases its loss and norms too
+        return not reproduced
     return f.evidence.get("statistic") == "grad_norm" and pattern in REPLAY_ONLY_PATTERNS and not reproduced

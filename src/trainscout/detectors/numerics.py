@@ -24,6 +24,13 @@ fault itself while it lasts). A rank is a suspect when it is far out in robust z
 Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
 which confirms them (replay, state fingerprints) before a finding is emitted.
 
+- biased: on one side of its peers' median in BIAS_K of the last BIAS_WINDOW judged steps, at least BIAS_REL away
+  in their median (a healthy rank of a symmetric class is above its peers' median in half its steps: 30 of 32 on
+  one side is 1 in 4 million), however small against the spread: one weight's gradient doubled by a hook moved
+  its block's norm 1.14x, above its peers' in 92 % of steps, at z 1-2. A rank's own data (a language, a domain of
+  its own) biases it too, so such a suspect is named only where replay reproduces it; at most one a rank in
+  BIAS_GAP steps. A persistent loss deviation that did not set in within the judged steps (the rank's loss was on
+  that side already in 3 of 4 of at least ONSET_HISTORY steps before) is such a suspect too.
 - odd parameters (gradients only): one of a layer's parameters, not the whole layer, whose local gradient is exactly 0
   for ZERO_PARAM_STEPS steps in a row, or repeats the rank's previous step bit for bit (a gradient dropped or held
   stale on its way, which moves its layer's norm by too little to see), on a strict minority of ranks, after
@@ -88,6 +95,8 @@ TURBULENT = 3.0  # a step whose spread across ranks is this many times the usual
 SPIKE_GAP = 50  # at most one spike suspect per rank in this many steps (a fault that repeats is not a flood)
 ZERO_STEPS = 8  # a layer's gradient exactly 0 this many steps in a row on one rank, every peer's not ...
 ZERO_HISTORY = 16  # ... after at least this many judged steps in which it was not 0 either
+BIAS_WINDOW, BIAS_K, BIAS_REL, BIAS_GAP = 32, 30, 0.05, 500
+ONSET_HISTORY = 8  # judged steps before a persistent loss deviation that show it set in (else: biased)
 ZERO_PARAM_STEPS = 3  # one parameter's gradient exactly 0 this many steps in a row (a repeat: once) on a minority
 ODD_PATTERNS = {ZERO_PARAMS: "zero-params", REPEATED_PARAMS: "repeated-params"}
 WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
@@ -99,7 +108,7 @@ class NumericSuspect:
     rank: int
     step: int  # the step that completed the evidence
     statistic: str  # "loss" | "grad_norm"
-    pattern: str  # "persistent" | "spike" | "zero" | "zero-params" | "repeated-params"
+    pattern: str  # "persistent" | "spike" | "biased" | "zero" | "zero-params" | "repeated-params"
     layer: str = ""  # for grad_norm: the layer that deviates most
     ratio: float = 1.0  # the rank's value over its peers' median (for norms: of the norm)
     z: float = 0.0
@@ -161,6 +170,8 @@ class NumericDetector(DetectorBase):
         self._p2p_steps: dict[int, list[int]] = {}  # rank -> [steps with point-to-point calls, steps seen]
         self._zero_runs: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps in a row its gradient was 0
         self._nonzero: dict[tuple[int, str], int] = {}  # (rank, layer) -> judged steps its gradient was not 0
+        self._sides: dict[tuple[int, str], deque] = {}  # (rank, "loss" | layer) -> recent relative deviations
+        self._last_bias: dict[int, int] = {}  # rank -> step of its last biased suspect
         self._odd_runs: dict[tuple[int, str], list[int]] = {}  # (rank, count entry) -> steps in a row it was odd
         self._even: dict[tuple[int, str], int] = {}  # (rank, count entry) -> judged steps it was not odd
         self.steps_judged = 0
@@ -276,6 +287,7 @@ class NumericDetector(DetectorBase):
     def _judge(self, group: str, step: int, entry: dict) -> list[NumericSuspect]:
         out: list[NumericSuspect] = []
         loss_z: dict[int, float] = {}
+        biases: list[tuple[int, str, str, float, float]] = []  # (rank, statistic, layer, log ratio, z) this step
         if len(entry["loss"]) >= 3:
             judged = self._stat(group, "loss").judge(entry["loss"])
             for r, (dev, z, peers) in judged.items():
@@ -284,13 +296,22 @@ class NumericDetector(DetectorBase):
                 found = self._persist(r, "loss", step, (1 if dev > 0 else -1) if far else 0)
                 if found is not None:
                     ratio = entry["loss"][r] / peers if peers else math.inf
-                    out.append(NumericSuspect(r, step, "loss", "persistent", ratio=ratio, z=z, steps=found, loss_z=z))
+                    # a loss off its peers' since judging began is the rank's own data (a domain of its own), not a
+                    # fault that set in: replay decides (a 4-rank job whose ranks read different token ranges
+                    # named rank 0 at 0.82x at step 41)
+                    pattern = "persistent" if self._set_in(r, "loss", found, dev) else "biased"
+                    if pattern == "biased":
+                        self._last_bias[r] = step
+                    out.append(NumericSuspect(r, step, "loss", pattern, ratio=ratio, z=z, steps=found, loss_z=z))
+                if peers > 0:
+                    biases.append((r, "loss", "", math.log1p(max(dev / peers, -0.99)), z))
         norm_flags: dict[int, dict[str, tuple[float, float]]] = {}  # rank -> layer -> (ratio, z)
         log_ratios: dict[int, list[float]] = {}  # rank -> every layer's log norm over its peers' median
         for layer, values in self._layer_values(group, entry).items():
             judged = self._stat(group, layer).judge(values)
             for r, (dev, z, _) in judged.items():
                 log_ratios.setdefault(r, []).append(dev)
+                biases.append((r, "grad_norm", layer, dev, z))
                 ratio = math.exp(dev)
                 if abs(z) >= PERSIST_Z and abs(dev) >= math.log(NORM_PERSIST_RATIO):
                     norm_flags.setdefault(r, {})[layer] = (ratio, z)
@@ -314,6 +335,7 @@ class NumericDetector(DetectorBase):
                     )
         out.extend(self._zeroed(group, step, entry, loss_z))
         out.extend(self._odd_params(group, step, entry, loss_z))
+        out.extend(self._biased(step, biases, loss_z))
         for r, layers in norm_flags.items():
             spikes = {
                 k: v
@@ -397,6 +419,50 @@ class NumericDetector(DetectorBase):
                     )
                 )
         return out
+
+    def _set_in(self, rank: int, name: str, flagged: list[int], dev: float) -> bool:
+        """Whether the deviation began within the judged steps: before its first flagged step, at least
+        ONSET_HISTORY steps, fewer than 3 in 4 of them on its side of the peers' median."""
+        before = [v for s, v in self._sides.get((rank, name), ()) if s < min(flagged)]
+        same = sum(1 for v in before if v * dev > 0)
+        return len(before) >= ONSET_HISTORY and 4 * same < 3 * len(before)
+
+    def _biased(
+        self, step: int, biases: list[tuple[int, str, str, float, float]], loss_z: dict[int, float]
+    ) -> list[NumericSuspect]:
+        """Statistics of a rank on one side of its peers' median in BIAS_K of the last BIAS_WINDOW steps, BIAS_REL
+        or more away in their median: the one furthest away, per rank, at most once in BIAS_GAP steps."""
+        found: dict[int, NumericSuspect] = {}
+        for r, statistic, layer, log_ratio, z in biases:
+            hist = self._sides.setdefault((r, layer or statistic), deque(maxlen=BIAS_WINDOW))
+            hist.append((step, log_ratio))
+            if len(hist) < BIAS_WINDOW or step - self._last_bias.get(r, -BIAS_GAP) < BIAS_GAP:
+                continue
+            if r in self._named_ranks:
+                continue  # already a persistent suspect: this is the same fault seen again
+            side = max((1, -1), key=lambda d: sum(1 for _, v in hist if v * d > 0))
+            if sum(1 for _, v in hist if v * side > 0) < BIAS_K:
+                continue
+            typical = _middle(sorted(v for _, v in hist))
+            if abs(typical) < math.log1p(BIAS_REL):
+                continue
+            best = found.get(r)
+            if best is None or abs(math.log(best.ratio)) < abs(typical):
+                steps = [s for s, v in hist if v * side > 0]
+                found[r] = NumericSuspect(
+                    r,
+                    step,
+                    statistic,
+                    "biased",
+                    layer=layer,
+                    ratio=math.exp(typical),
+                    z=z,
+                    steps=steps,
+                    loss_z=loss_z.get(r, 0.0),
+                )
+        for r in found:
+            self._last_bias[r] = step
+        return list(found.values())
 
     def _odd_params(self, group: str, step: int, entry: dict, loss_z: dict[int, float]) -> list[NumericSuspect]:
         """A rank with more parameters of a layer gradient-less (exactly 0) or repeating its previous step than a
