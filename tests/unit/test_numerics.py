@@ -562,3 +562,17 @@ def test_a_loss_off_its_peers_since_judging_began_is_biased_not_a_fault_that_set
     assert [(f.rank, f.statistic, f.pattern) for f in always] == [(0, "loss", "biased")]
     later = _run(range(1, 300), loss_of=lambda r, s, x: x * 0.8 if r == 0 and s >= 100 else x)
     assert [(f.rank, f.statistic, f.pattern) for f in later] == [(0, "loss", "persistent")]
+
+
+def test_a_loss_deviation_that_sets_in_while_its_start_is_still_in_the_recent_steps_is_named():
+    """A sharded job's rank 2 flipped at step 60, flagged at 69-73: its last 32 steps held the deviation's own
+    start, above its peers under the persistent bars, 3 in 4 in all, and it was taken for a rank biased by its
+    data. Its first judged steps were balanced: it set in."""
+
+    def loss_of(r, s, x):
+        if r != 2 or s < 50:
+            return x
+        return x * (1.05 if s < 69 else 1.45)
+
+    found = _run(range(1, 200), loss_of=loss_of)
+    assert [(f.rank, f.statistic, f.pattern) for f in found] == [(2, "loss", "persistent")]

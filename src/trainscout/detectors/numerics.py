@@ -30,7 +30,7 @@ which confirms them (replay, state fingerprints) before a finding is emitted.
   its block's norm 1.14x, above its peers' in 92 % of steps, at z 1-2. A rank's own data (a language, a domain of
   its own) biases it too, so such a suspect is named only where replay reproduces it; at most one a rank in
   BIAS_GAP steps. A persistent loss deviation that did not set in within the judged steps (the rank's loss was on
-  that side already in 3 of 4 of at least ONSET_HISTORY steps before) is such a suspect too.
+  that side already in 3 of 4 of its first judged steps, at least ONSET_HISTORY of them) is such a suspect too.
 - odd parameters (gradients only): one of a layer's parameters, not the whole layer, whose local gradient is exactly 0
   for ZERO_PARAM_STEPS steps in a row, or repeats the rank's previous step bit for bit (a gradient dropped or held
   stale on its way, which moves its layer's norm by too little to see), on a strict minority of ranks, after
@@ -96,7 +96,7 @@ SPIKE_GAP = 50  # at most one spike suspect per rank in this many steps (a fault
 ZERO_STEPS = 8  # a layer's gradient exactly 0 this many steps in a row on one rank, every peer's not ...
 ZERO_HISTORY = 16  # ... after at least this many judged steps in which it was not 0 either
 BIAS_WINDOW, BIAS_K, BIAS_REL, BIAS_GAP = 32, 30, 0.05, 500
-ONSET_HISTORY = 8  # judged steps before a persistent loss deviation that show it set in (else: biased)
+ONSET_HISTORY = 8  # first judged steps, before a persistent loss deviation, that show it set in (else: biased)
 ZERO_PARAM_STEPS = 3  # one parameter's gradient exactly 0 this many steps in a row (a repeat: once) on a minority
 ODD_PATTERNS = {ZERO_PARAMS: "zero-params", REPEATED_PARAMS: "repeated-params"}
 WAIT_S = 5.0  # a step is judged once every live member reported it, or after this long
@@ -172,6 +172,7 @@ class NumericDetector(DetectorBase):
         self._nonzero: dict[tuple[int, str], int] = {}  # (rank, layer) -> judged steps its gradient was not 0
         self._sides: dict[tuple[int, str], deque] = {}  # (rank, "loss" | layer) -> recent relative deviations
         self._last_bias: dict[int, int] = {}  # rank -> step of its last biased suspect
+        self._baseline: dict[tuple[int, str], list] = {}  # (rank, "loss" | layer) -> its first judged deviations
         self._odd_runs: dict[tuple[int, str], list[int]] = {}  # (rank, count entry) -> steps in a row it was odd
         self._even: dict[tuple[int, str], int] = {}  # (rank, count entry) -> judged steps it was not odd
         self.steps_judged = 0
@@ -421,9 +422,10 @@ class NumericDetector(DetectorBase):
         return out
 
     def _set_in(self, rank: int, name: str, flagged: list[int], dev: float) -> bool:
-        """Whether the deviation began within the judged steps: before its first flagged step, at least
-        ONSET_HISTORY steps, fewer than 3 in 4 of them on its side of the peers' median."""
-        before = [v for s, v in self._sides.get((rank, name), ()) if s < min(flagged)]
+        """Whether the deviation set in after judging began: of the rank's first judged steps (up to
+        BIAS_WINDOW, before its first flagged one), at least ONSET_HISTORY, and fewer than 3 in 4 of them on its
+        side of the peers' median (the recent steps would hold the deviation's own start)."""
+        before = [v for s, v in self._baseline.get((rank, name), ()) if s < min(flagged)]
         same = sum(1 for v in before if v * dev > 0)
         return len(before) >= ONSET_HISTORY and 4 * same < 3 * len(before)
 
@@ -436,6 +438,9 @@ class NumericDetector(DetectorBase):
         for r, statistic, layer, log_ratio, z in biases:
             hist = self._sides.setdefault((r, layer or statistic), deque(maxlen=BIAS_WINDOW))
             hist.append((step, log_ratio))
+            baseline = self._baseline.setdefault((r, layer or statistic), [])
+            if len(baseline) < BIAS_WINDOW:
+                baseline.append((step, log_ratio))
             if len(hist) < BIAS_WINDOW or step - self._last_bias.get(r, -BIAS_GAP) < BIAS_GAP:
                 continue
             if r in self._named_ranks:
