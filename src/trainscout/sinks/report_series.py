@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from trainscout.markers import GRAD_SYNC_LAYER, PARAM_COUNTS
 from trainscout.wire.messages import StepRecord
 
 MAX_POINTS = 360  # per drawn line, after downsampling
@@ -91,8 +92,46 @@ def _decode(lines: list[bytes]) -> list[dict]:
     return docs
 
 
-def _arrays(docs: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A batch of log lines as metric -> (rank, step, value) arrays (null in the JSON: NaN here)."""
+def _norm_mask(layers: list) -> np.ndarray:
+    """Which entries of a numerics record are layer norms: not a gradient bucket as it entered its reduction
+    (those hold the same gradients again) nor a count of odd parameters."""
+    skip = (GRAD_SYNC_LAYER, *PARAM_COUNTS)
+    return np.array([not (isinstance(n, str) and n.startswith(skip)) for n in layers], dtype=bool)
+
+
+def _grad_norms(normed: list[tuple[int, list]], masks: dict[int, np.ndarray]) -> np.ndarray:
+    """Each record's total gradient norm over its layer norms (every entry where its rank's layer list is not
+    known, or does not fit it)."""
+    with np.errstate(over="ignore"):  # norms near the float limit: the total norm is infinite, and drawn so
+        try:  # the usual batch: one layer list, every rank's the same
+            norms = np.array([r[2] for _, r in normed], dtype=np.float64).reshape(len(normed), -1)
+            shared = {masks[rank].tobytes() if rank in masks else None for rank, _ in normed}
+            if shared == {None}:  # no layer list known: every entry
+                return np.sqrt(np.square(norms).sum(axis=1))
+            mask = masks[normed[0][0]] if len(shared) == 1 else None
+            if mask is not None and len(mask) == norms.shape[1]:
+                return np.sqrt(np.square(norms[:, mask]).sum(axis=1))
+        except ValueError:  # the layer list changed within the batch: rows of different lengths
+            pass
+    rows = [np.array([math.nan if x is None else x for x in r[2]], dtype=np.float64) for _, r in normed]
+    out = np.empty(len(rows))
+    with np.errstate(over="ignore"):
+        for i, ((rank, _), row) in enumerate(zip(normed, rows)):
+            mask = masks.get(rank)
+            kept = row[mask] if mask is not None and len(mask) == len(row) else row
+            out[i] = math.sqrt(float(np.square(kept).sum()))
+    return out
+
+
+def _arrays(
+    docs: list[dict], masks: dict[int, np.ndarray] | None = None
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A batch of log lines as metric -> (rank, step, value) arrays (null in the JSON: NaN here). masks: each
+    rank's layer-norm entries, as its lines name them (kept across batches, in the order read)."""
+    masks = {} if masks is None else masks
+    for d in docs:
+        if isinstance(d.get("layers"), list):
+            masks[d["rank"]] = _norm_mask(d["layers"])
     timing = np.array(
         [(d["rank"], r[_STEP], r[_WALL], r[_WAIT]) for d in docs for r in d.get("steps") or ()], dtype=np.float64
     ).reshape(-1, 4)
@@ -100,12 +139,7 @@ def _arrays(docs: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
     loss = np.array([(rank, r[0], r[1]) for rank, r in numeric], dtype=np.float64).reshape(-1, 3)
     normed = [(rank, r) for rank, r in numeric if len(r) > 2 and r[2]]
     grad_at = np.array([(rank, r[0]) for rank, r in normed], dtype=np.float64).reshape(-1, 2)
-    try:
-        norms = np.array([r[2] for _, r in normed], dtype=np.float64).reshape(len(normed), -1)
-        with np.errstate(over="ignore"):  # norms near the float limit: the total norm is infinite, and drawn so
-            grad = np.sqrt(np.square(norms).sum(axis=1))
-    except ValueError:  # the layer list changed within the batch: rows of different lengths
-        grad = np.array([math.sqrt(sum(math.nan if x is None else x * x for x in r[2])) for _, r in normed])
+    grad = _grad_norms(normed, masks)
     return {
         "wall": (timing[:, 0], timing[:, 1], timing[:, 2] * 1e3),
         "wait": (timing[:, 0], timing[:, 1], timing[:, 3] * 1e3),
@@ -133,17 +167,18 @@ def read_evidence(path: str | os.PathLike | list, max_bytes: int = EVIDENCE_READ
         read += file_read
     parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {key: [] for key, _, _ in METRICS}
     ranks: set[int] = set()
+    masks: dict[int, np.ndarray] = {}  # rank -> its layer-norm entries, from the last layer list read
     for chunk in chunks:
         lines = chunk.splitlines()
         for i in range(0, len(lines), batch):
             docs = _decode(lines[i : i + batch])
             try:
-                arrays = _arrays(docs)
+                arrays = _arrays(docs, masks)
             except _MALFORMED:  # a malformed line: decode them one by one
                 arrays = {}
                 for d in docs:
                     try:
-                        for key, cols in _arrays([d]).items():
+                        for key, cols in _arrays([d], masks).items():
                             parts[key].append(cols)
                     except _MALFORMED:
                         continue
