@@ -109,11 +109,12 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
 
 class NumericRecord(msgspec.Struct, array_like=True, gc=False):
     """One optimizer step of one rank: its local loss and its local gradient's L2 norm per layer, both measured
-    before any reduction (after DDP averages, every replica holds the same gradient)."""
+    before any reduction (after DDP averages, every replica holds the same gradient); after the layer norms, per
+    layer, its counts of odd parameters (markers.PARAM_COUNTS), then each gradient reduction's input norm."""
 
     step: int
     loss: float  # mean of the step's losses; NaN: not measured
-    norms: list[float] = []  # per layer of RankState.numeric_layers; empty: not measured
+    norms: list[float] = []  # per entry of RankState.numeric_layers; empty: not measured
 
 
 class LinkRecord(msgspec.Struct, array_like=True, gc=False):
