@@ -21,9 +21,6 @@ fault itself while it lasts). A rank is a suspect when it is far out in robust z
   majority of its class's is not, after ZERO_HISTORY steps in which it was not either: zeroed on its way (a hook,
   a device writing zeros). The log-norm statistics leave zeros out (a mixture-of-experts layer no token of a
   rank's batch chose has no gradient there, now and then, not for good).
-Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
-which confirms them (replay, state fingerprints) before a finding is emitted.
-
 - biased: on one side of its peers' median in BIAS_K of the last BIAS_WINDOW judged steps, at least BIAS_REL away
   in their median (a healthy rank of a symmetric class is above its peers' median in half its steps: 30 of 32 on
   one side is 1 in 4 million), however small against the spread: one weight's gradient doubled by a hook moved
@@ -36,6 +33,9 @@ which confirms them (replay, state fingerprints) before a finding is emitted.
   stale on its way, which moves its layer's norm by too little to see), on a strict minority of ranks, after
   ZERO_HISTORY steps in which it did not. Such a suspect is named only where replay reproduces it: a mixture of
   experts' router leaves an expert without a gradient now and then, and a one-step fault is gone by the replay.
+Attribution needs a strict majority of agreeing peers: 3 or more ranks. Suspects go to the coordinator,
+which confirms them (replay, state fingerprints) before a finding is emitted.
+
 Besides the layers, the evidence lists each gradient bucket as it entered its data-parallel reduction
 (`grad-sync.K`, probe/grad_sync.py: a DDP communication hook's bucket, FSDP2's reduce-scatter input), compared
 like a layer: a bucket changed on its way to the reduction shows there alone.
@@ -56,6 +56,7 @@ Pure logic: no torch, no I/O; inputs are plain numbers.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -170,7 +171,9 @@ class NumericDetector(DetectorBase):
         self._p2p_steps: dict[int, list[int]] = {}  # rank -> [steps with point-to-point calls, steps seen]
         self._zero_runs: dict[tuple[int, str], list[int]] = {}  # (rank, layer) -> steps in a row its gradient was 0
         self._nonzero: dict[tuple[int, str], int] = {}  # (rank, layer) -> judged steps its gradient was not 0
-        self._sides: dict[tuple[int, str], deque] = {}  # (rank, "loss" | layer) -> recent relative deviations
+        self._sides: dict[tuple[int, str], deque] = {}  # (rank, "loss" | layer) -> recent (step, log ratio)
+        self._above: dict[tuple[int, str], int] = {}  # ... how many of them are above its peers' median
+        self._below: dict[tuple[int, str], int] = {}  # ... and below
         self._last_bias: dict[int, int] = {}  # rank -> step of its last biased suspect
         self._baseline: dict[tuple[int, str], list] = {}  # (rank, "loss" | layer) -> its first judged deviations
         self._odd_runs: dict[tuple[int, str], list[int]] = {}  # (rank, count entry) -> steps in a row it was odd
@@ -436,18 +439,26 @@ class NumericDetector(DetectorBase):
         or more away in their median: the one furthest away, per rank, at most once in BIAS_GAP steps."""
         found: dict[int, NumericSuspect] = {}
         for r, statistic, layer, log_ratio, z in biases:
-            hist = self._sides.setdefault((r, layer or statistic), deque(maxlen=BIAS_WINDOW))
+            key = (r, layer or statistic)
+            hist = self._sides.get(key)
+            if hist is None:
+                hist = self._sides[key] = deque(maxlen=BIAS_WINDOW)
+                self._above[key] = self._below[key] = 0
+            if len(hist) == BIAS_WINDOW:  # the oldest leaves the window: its side no longer counts
+                _, gone = hist[0]
+                self._above[key] -= gone > 0
+                self._below[key] -= gone < 0
             hist.append((step, log_ratio))
-            baseline = self._baseline.setdefault((r, layer or statistic), [])
+            self._above[key] += log_ratio > 0
+            self._below[key] += log_ratio < 0
+            baseline = self._baseline.setdefault(key, [])
             if len(baseline) < BIAS_WINDOW:
                 baseline.append((step, log_ratio))
-            if len(hist) < BIAS_WINDOW or step - self._last_bias.get(r, -BIAS_GAP) < BIAS_GAP:
+            if max(self._above[key], self._below[key]) < BIAS_K or len(hist) < BIAS_WINDOW:
                 continue
-            if r in self._named_ranks:
-                continue  # already a persistent suspect: this is the same fault seen again
-            side = max((1, -1), key=lambda d: sum(1 for _, v in hist if v * d > 0))
-            if sum(1 for _, v in hist if v * side > 0) < BIAS_K:
-                continue
+            if step - self._last_bias.get(r, -BIAS_GAP) < BIAS_GAP or r in self._named_ranks:
+                continue  # judged lately, or already a persistent suspect (the same fault seen again)
+            side = 1 if self._above[key] >= BIAS_K else -1
             typical = _middle(sorted(v for _, v in hist))
             if abs(typical) < math.log1p(BIAS_REL):
                 continue
@@ -488,9 +499,10 @@ class NumericDetector(DetectorBase):
             values = {r: v[i] for r, v in norms.items() if math.isfinite(v[i]) and (norm_at is None or v[norm_at] != 0)}
             if len(values) < 3:
                 continue
+            ordered = sorted(values.values())
             for r, v in values.items():
                 key = (r, name)
-                fewer = sum(1 for w in values.values() if w < v)
+                fewer = bisect.bisect_left(ordered, v)  # members with fewer odd parameters
                 if not (v > 0 and 2 * fewer > len(values)):
                     self._even[key] = self._even.get(key, 0) + 1
                     self._odd_runs.pop(key, None)
