@@ -98,7 +98,7 @@ class LocalEvidence:
         layers = list(dict.fromkeys(layer_of(n) for n in names))
         index = {name: i for i, name in enumerate(layers)}
         self._layer_index = np.asarray([index[layer_of(n)] for n in names], dtype=np.int64)
-        self._previous, self._change = None, np.zeros(0)  # another parameter list: no step before to repeat
+        self._previous, self._change = None, np.zeros(len(names))  # another parameter list: no step before to repeat
         if layers != self.layers:
             self.layers = layers
             self.version += 1
@@ -198,9 +198,8 @@ class LocalEvidence:
         zero = sumsq == 0
         previous, self._previous = self._previous, (step, sumsq)
         repeated = np.zeros(sumsq.shape, dtype=bool)
-        if previous is not None and previous[0] == step - 1 and previous[1].shape == sumsq.shape:
-            if self._change.shape != sumsq.shape:
-                self._change = np.zeros(sumsq.shape)
+        # sums of squares reach here only in the order set_params gave (emit_values), which resets both
+        if previous is not None and previous[0] == step - 1:
             moving = self._change >= REPEAT_MIN_CHANGE
             repeated = (sumsq == previous[1]) & ~zero & np.isfinite(sumsq) & moving
             with np.errstate(divide="ignore", invalid="ignore"):

@@ -105,7 +105,7 @@ def _grad_norms(normed: list[tuple[int, list]], masks: dict[int, np.ndarray]) ->
     with np.errstate(over="ignore"):  # norms near the float limit: the total norm is infinite, and drawn so
         try:  # the usual batch: one layer list, every rank's the same
             norms = np.array([r[2] for _, r in normed], dtype=np.float64).reshape(len(normed), -1)
-            shared = {masks[rank].tobytes() if rank in masks else None for rank, _ in normed}
+            shared = {masks[rank].tobytes() if rank in masks else None for rank in {rank for rank, _ in normed}}
             if shared == {None}:  # no layer list known: every entry
                 return np.sqrt(np.square(norms).sum(axis=1))
             mask = masks[normed[0][0]] if len(shared) == 1 else None
