@@ -17,10 +17,16 @@ WORLD = (0, 1, 2, 3)
 LAYERS = ["tokens", "blocks.0", "blocks.1", "head"]
 
 
-def _run(steps, loss_of=None, norms_of=None, seed=0, world=WORLD):
-    """Replicas on different batches: losses ~4 +- 3 %, norms ~0.3 +- 8 % per layer, falling slowly."""
+COUNTED = [*LAYERS, *(f"zero-params:{x}" for x in LAYERS), *(f"repeated-params:{x}" for x in LAYERS)]
+
+
+def _run(steps, loss_of=None, norms_of=None, seed=0, world=WORLD, zeros_of=None, repeats_of=None):
+    """Replicas on different batches: losses ~4 +- 3 %, norms ~0.3 +- 8 % per layer, falling slowly. With
+    zeros_of / repeats_of (rank, step -> a count), the evidence also carries the per-layer counts of odd
+    parameters, the odd ones in blocks.1 (index 2)."""
     rng = random.Random(seed)
     det, found = NumericDetector(), []
+    counted = zeros_of is not None or repeats_of is not None
     for s in steps:
         base = 4.0 * math.exp(-s / 400)
         for r in world:
@@ -30,7 +36,11 @@ def _run(steps, loss_of=None, norms_of=None, seed=0, world=WORLD):
                 loss = loss_of(r, s, loss)
             if norms_of:
                 norms = norms_of(r, s, norms)
-            det.add(r, "dp", LAYERS, [(s, loss, norms)], 0.0)
+            if counted:
+                for count_of in (zeros_of, repeats_of):
+                    n = float(count_of(r, s)) if count_of else 0.0
+                    norms = norms + [n if i == 2 else 0.0 for i in range(len(LAYERS))]
+            det.add(r, "dp", COUNTED if counted else LAYERS, [(s, loss, norms)], 0.0)
         found += det.update(0.0, {"dp": list(world)})
     return found
 
@@ -447,27 +457,10 @@ def test_a_sharded_finding_is_named_at_once_and_says_why_it_is_not_confirmed():
     assert "data-parallel peers" in f.summary and "sharded job" in f.summary
 
 
-COUNTED = [*LAYERS, *(f"zero-params:{x}" for x in LAYERS), *(f"repeated-params:{x}" for x in LAYERS)]
-
-
-def _run_counts(steps, zeros_of=lambda r, s: 0, repeats_of=lambda r, s: 0, seed=0):
-    """_run, with the evidence's per-layer counts of odd parameters; the odd ones in blocks.1 (index 2)."""
-    rng = random.Random(seed)
-    det, found = NumericDetector(), []
-    for s in steps:
-        for r in WORLD:
-            norms = [0.3 * (1 + rng.gauss(0, 0.08)) * (1 + i / 10) for i in range(len(LAYERS))]
-            zeros = [float(zeros_of(r, s)) if i == 2 else 0.0 for i in range(len(LAYERS))]
-            repeats = [float(repeats_of(r, s)) if i == 2 else 0.0 for i in range(len(LAYERS))]
-            det.add(r, "dp", COUNTED, [(s, 4.0 * (1 + rng.gauss(0, 0.03)), norms + zeros + repeats)], 0.0)
-        found += det.update(0.0, {"dp": list(WORLD)})
-    return found
-
-
 def test_one_parameters_gradient_zeroed_on_one_rank_is_a_suspect_after_three_steps():
     """A hook dropping one weight's gradient moves its block's norm by less than its batches do (0.89-0.97x in a
     4-rank causal LM): the count of exactly-0 gradients shows it."""
-    found = _run_counts(range(1, 200), zeros_of=lambda r, s: 1 if r == 2 and s >= 100 else 0)
+    found = _run(range(1, 200), zeros_of=lambda r, s: 1 if r == 2 and s >= 100 else 0)
     assert [(f.rank, f.statistic, f.pattern, f.layer, f.steps, f.count) for f in found] == [
         (2, "grad_norm", "zero-params", "blocks.1", [100, 101, 102], 1)
     ]
@@ -477,7 +470,7 @@ def test_one_parameters_gradient_zeroed_on_one_rank_is_a_suspect_after_three_ste
 
 
 def test_one_parameters_gradient_repeating_its_step_before_is_a_suspect_at_once():
-    found = _run_counts(range(1, 200), repeats_of=lambda r, s: 2 if r == 1 and s == 150 else 0)
+    found = _run(range(1, 200), repeats_of=lambda r, s: 2 if r == 1 and s == 150 else 0)
     assert [(f.rank, f.pattern, f.layer, f.step, f.count) for f in found] == [
         (1, "repeated-params", "blocks.1", 150, 2)
     ]
@@ -494,20 +487,16 @@ def test_one_parameters_gradient_repeating_its_step_before_is_a_suspect_at_once(
     ],
 )
 def test_odd_parameters_that_are_brief_always_so_or_shared_name_nobody(zeros_of):
-    assert _run_counts(range(1, 200), zeros_of=zeros_of) == []
+    assert _run(range(1, 200), zeros_of=zeros_of) == []
 
 
 def test_a_whole_layer_at_zero_is_left_to_the_zero_rule():
-    rng = random.Random(1)
-    det, found = NumericDetector(), []
-    for s in range(1, 200):
-        for r in WORLD:
-            norms = [0.3 * (1 + rng.gauss(0, 0.08)) for _ in LAYERS]
-            zeros = [0.0] * len(LAYERS)
-            if r == 3 and s >= 100:
-                norms[2], zeros[2] = 0.0, 4.0
-            det.add(r, "dp", COUNTED, [(s, 4.0, norms + zeros + [0.0] * len(LAYERS))], 0.0)
-        found += det.update(0.0, {"dp": list(WORLD)})
+    zeroed = lambda r, s: r == 3 and s >= 100  # noqa: E731
+    found = _run(
+        range(1, 200),
+        norms_of=lambda r, s, n: [0.0 if zeroed(r, s) and i == 2 else x for i, x in enumerate(n)],
+        zeros_of=lambda r, s: 4 if zeroed(r, s) else 0,
+    )
     assert [(f.rank, f.pattern, f.layer) for f in found] == [(3, "zero", "blocks.1")]
 
 
