@@ -133,6 +133,8 @@ def test_new_parameters_parse_and_round_trip() -> None:
         ("gradnoise:how=weights", "how='weights' is not one of tensor, activation"),
         ("gradnoise:op=flip", "op='flip' is not one of noise, zero, stale"),
         ("gradnoise:param=-2", "param=-2 must be >= -1"),
+        ("gradnoise:how=activation:op=stale", "op=stale needs how=tensor"),
+        ("gradnoise:how=activation:param=0", "param= picks one parameter's gradient; it needs how=tensor"),
         ("outflip:factor=1", "factor='1' changes nothing"),
         ("outflip:factor=inf", "factor='inf' must be a finite number"),
         ("outflip:factor=minus", "factor='minus' is not a number"),

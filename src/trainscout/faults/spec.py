@@ -211,6 +211,16 @@ def _check_corrupt_combination(params: dict, given: set[str], token: str) -> Non
         )
 
 
+def _check_gradnoise_combination(params: dict, given: set[str], token: str) -> None:
+    """Refuse gradnoise parameters that how=activation cannot honour (it has no parameter of its own to hold)."""
+    if params["how"] != "activation":
+        return
+    if params["op"] == "stale":
+        raise ValueError(f"fault spec {token!r}: op=stale needs how=tensor (a parameter's own gradient to hold)")
+    if "param" in given:
+        raise ValueError(f"fault spec {token!r}: param= picks one parameter's gradient; it needs how=tensor")
+
+
 def _parse_ranks(text: str, token: str) -> tuple[int, ...] | None:
     if text == "all":
         return None
@@ -259,6 +269,8 @@ def parse_fault(token: str) -> FaultSpec:
             params[key] = _PARAM_PARSERS[(kind, key)](key, value, token)
     if kind == "corrupt":
         _check_corrupt_combination(params, seen, token)
+    elif kind == "gradnoise":
+        _check_gradnoise_combination(params, seen, token)
     return FaultSpec(kind=kind, ranks=ranks, step=step, params=params, attempt=attempt)
 
 
