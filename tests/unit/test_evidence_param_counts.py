@@ -65,3 +65,12 @@ def test_a_sum_of_squares_that_barely_moves_may_repeat_by_chance_and_is_not_coun
     ev, records = evidence
     for step in range(1, 31):
         assert _emit(ev, records, step, [1.0 + step * 1e-3, 1.0, 1.0, 1.0]) == ([0, 0, 0], [0, 0, 0])
+
+
+def test_a_layer_norm_past_the_float32_limit_is_sent_as_the_limit(evidence):
+    ev, records = evidence
+    ev.add_loss(1.0)
+    ev.add_sumsq(np.asarray([1e78, 1.0, 4.0, 9.0]))  # blocks.0: a norm of 1e39, beyond float32
+    ev.emit(1)
+    values = np.frombuffer(records[-1][-1], dtype="<f4")
+    assert values[0] == np.finfo(np.float32).max and values[1:3].tolist() == [2.0, 3.0]

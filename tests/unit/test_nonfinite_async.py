@@ -164,6 +164,21 @@ def test_judge_of_a_sampled_read_scales_each_items_sum_of_squares_by_the_share_i
     assert [(r[5], r[7]) for r in records] == [(5, "grad w")]  # a non-finite element in the sample names it
 
 
+def test_judge_of_a_finite_sum_of_squares_past_float32_reads_the_float32_limit_not_inf():
+    import numpy as np
+
+    from trainscout.probe.nonfinite import F32_MAX
+
+    check, records, evidence = _check_with_evidence(["w", "b"])
+    owner = np.array([0, 1, 2])
+    # one element of w with an exponent bit flipped (~1e35): its float32 sum of squares is Inf, no element counted
+    check._judge((7, check._device_names, owner), _kernel_vector([0, 0, 0], [1.0, math.inf, 4.0], 0.5))
+    assert records == [] and evidence.emitted == [(7, 0.5, [F32_MAX, 4.0])]
+    # a real Inf element stays non-finite, in the evidence too
+    check._judge((8, check._device_names, owner), _kernel_vector([0, 1, 0], [1.0, math.inf, 4.0], 0.5))
+    assert [(r[5], r[7]) for r in records] == [(8, "grad w")] and math.isinf(evidence.emitted[1][2][0])
+
+
 class _Event:
     """Stands in for a CUDA timing event (none on a CPU machine): passed or not, and a clock reading."""
 

@@ -129,6 +129,17 @@ def test_a_finite_sum_that_overflows_names_nothing():
     assert run_check() == []
 
 
+def test_a_huge_finite_gradient_keeps_a_finite_sum_of_squares():
+    from trainscout.probe.nonfinite import cpu_sums_of_squares
+
+    grads = [torch.full((4,), 0.5), torch.full((3,), 0.5), None]
+    grads[1][1] = 3.4e35  # an exponent bit flipped: its float32 norm overflows, its float64 one does not
+    sums = cpu_sums_of_squares(torch, grads)
+    assert sums[0] == 1.0 and sums[1] == pytest.approx(3.4e35**2, rel=1e-6) and sums[2] == 0.0
+    grads[1][2] = math.inf  # a real Inf stays one
+    assert math.isinf(cpu_sums_of_squares(torch, grads)[1])
+
+
 def test_large_models_skip_the_second_copy(monkeypatch):
     monkeypatch.setattr(nonfinite, "FLAT_MAX_BYTES", 16)
     params = _params()

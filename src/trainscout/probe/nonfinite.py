@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # types only: the CUDA path is imported on first use
     from trainscout.probe.nonfinite_cuda import Layout
 
 NONFINITE_PG_INDEX = -2
+F32_MAX = float(np.finfo(np.float32).max)
 # Under a dynamic loss scaler (fp16 AMP) gradients overflow by design now and then, on some replicas only (their
 # batches differ), and the scaler skips that step everywhere and lowers the scale: a rank is named only once its
 # gradients were non-finite in this many checked backward passes in a row, across as many scaler updates less one
@@ -668,6 +669,9 @@ class NonFiniteCheck:
             if self.evidence is not None and values.size > 2 * n:
                 share = payload[3] if len(payload) > 3 else None  # what a sampled read covered of each item
                 read = values[n : 2 * n] if share is None else values[n : 2 * n] / share
+                # a float32 sum of squares past ~3.4e38 reads Inf with no element non-finite: the gradient is
+                # huge (an exponent bit flipped), not non-finite; the float32 limit is its lower bound
+                read = np.where(np.isinf(read) & (counts == 0), F32_MAX, read)
                 sumsq = np.bincount(owner, weights=read, minlength=len(names) + 1)  # float64
                 self._emit_evidence(step, names, float(values[2 * n]), sumsq[1:])
             if not counts.any():  # the usual case: one reduction, nothing else
@@ -768,12 +772,24 @@ def cpu_sums_of_squares(torch, grads: list) -> np.ndarray:
         norms = torch.stack(torch._foreach_norm(present)).double().numpy() if present else np.zeros(0)
     except (RuntimeError, NotImplementedError, TypeError):  # e.g. a sparse gradient
         norms = np.fromiter((math.sqrt(_sumsq(g)) for g in present), dtype=np.float64, count=len(present))
+    for i in np.flatnonzero(~np.isfinite(norms)):
+        norms[i] = _wide_norm(torch, present[i], norms[i])
     sums = norms * norms
     if len(present) == len(grads):
         return sums
     out = np.zeros(len(grads))
     out[[i for i, g in enumerate(grads) if g is not None]] = sums
     return out
+
+
+def _wide_norm(torch, grad, norm: float) -> float:
+    """A gradient whose float32 norm is not finite, normed in float64: finite elements past ~1.8e19 (an exponent
+    bit flipped in one element reads ~1e35) overflow the float32 sum of squares, and a gradient that is huge,
+    not non-finite, must stay one (the layer norms' spike rule names it; NaN/Inf elements keep it non-finite)."""
+    try:
+        return float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float64))
+    except (RuntimeError, NotImplementedError, TypeError):  # e.g. a sparse gradient: as it was
+        return norm
 
 
 def _sumsq(grad) -> float:

@@ -21,7 +21,9 @@ The result vector (`Layout.n_values` float32 values):
 `Layout.owner[j]` is the tensor item j belongs to (0: the loss); the host adds items up per tensor.
 
 A finite item's sum of squares overflows float32 only if its elements' root mean square exceeds ~3.6e16 (or
-one element exceeds ~1.8e19): then it reads Inf, which no count confirms, so nothing is reported non-finite.
+one element exceeds ~1.8e19): then it reads Inf, which no count confirms, so nothing is reported non-finite, and
+the evidence takes the float32 limit as the item's sum of squares (a lower bound: the gradient is huge, as an
+exponent bit flipped in one element makes it).
 
 The reads are 16 bytes wide when every address is 16-byte aligned (caching-allocator blocks are): the
 table then holds offsets in 16-byte units, so the compiler can prove the alignment from the arithmetic.
