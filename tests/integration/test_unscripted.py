@@ -60,14 +60,21 @@ def test_a_layer_computing_wrong_on_one_rank_is_named_and_confirmed_by_replay(jo
     assert _blamed(result) == {2}, result.describe()
 
 
-def test_one_step_of_gradient_noise_is_named_as_a_transient(jobs, tmp_path):
-    job = start_demo_with_fault(jobs, tmp_path, "gradnoise", "gradnoise:rank=3:step=40:layer=blocks.1", 400)
+@pytest.mark.parametrize(
+    ("op", "least_ratio"),
+    # expflip: one element ~1e35, past what a float32 sum of squares holds (it read Inf and went unnamed)
+    [("noise", 32.0), ("expflip", 1e30)],
+)
+def test_one_step_of_gradient_noise_is_named_as_a_transient(jobs, tmp_path, op, least_ratio):
+    inject = f"gradnoise:rank=3:step=40:layer=blocks.1:op={op}" + (":param=0" if op == "expflip" else "")
+    job = start_demo_with_fault(jobs, tmp_path, f"gradnoise-{op}", inject, 400)
     result = stop_once_found(job, bool)  # its one finding comes after the confirmation
     assert result.returncode in (0, STOPPED), result.describe()
     (f,) = result.findings
     assert (f["kind"], f["culprit_ranks"], f["step"]) == ("sdc", [3], 41), result.describe()
     ev = f["evidence"]
     assert (ev["statistic"], ev["pattern"], ev["layer"]) == ("grad_norm", "spike", "blocks.1"), result.describe()
+    assert ev["ratio"] >= least_ratio, result.describe()
     assert ev["confirmation"]["outcome"] == "transient" and f["confidence"] <= 0.5, result.describe()
 
 

@@ -131,7 +131,7 @@ def test_new_parameters_parse_and_round_trip() -> None:
         ("gradnoise:scale=0", "scale='0' must be > 0"),
         ("gradnoise:count=0", "count=0 must be >= 1"),
         ("gradnoise:how=weights", "how='weights' is not one of tensor, activation"),
-        ("gradnoise:op=flip", "op='flip' is not one of noise, zero, stale"),
+        ("gradnoise:op=flip", "op='flip' is not one of noise, zero, stale, expflip"),
         ("gradnoise:param=-2", "param=-2 must be >= -1"),
         ("gradnoise:how=activation:op=stale", "op=stale needs how=tensor"),
         ("gradnoise:how=activation:param=0", "param= picks one parameter's gradient; it needs how=tensor"),
@@ -297,6 +297,19 @@ def test_gradnoise_zero_on_one_parameter_drops_exactly_its_gradient(make_injecto
         assert changed(faulty, clean) == ({third} if done in (1, 2) else set()), done
         if done in (1, 2):
             assert not faulty[third].any() and clean[third].any()
+
+
+def test_gradnoise_expflip_makes_one_element_of_one_gradient_huge_and_finite(make_injector) -> None:
+    per_iteration = gradients_per_iteration("gradnoise:rank=0:step=1:count=1:op=expflip:param=0", make_injector, 3)
+    first = [n for n in per_iteration[0][1] if n.startswith("blocks.0.")][0]
+    for done, (faulty, clean) in enumerate(per_iteration):
+        assert changed(faulty, clean) == ({first} if done == 1 else set()), done
+        if done == 1:
+            moved = (faulty[first] != clean[first]).flatten()
+            assert int(moved.sum()) == 1  # one element: the largest, ~2**128 times larger, still finite
+            i = int(moved.nonzero()[0])
+            assert i == int(clean[first].abs().flatten().argmax())
+            assert torch.isfinite(faulty[first]).all() and float(faulty[first].abs().max()) > 1e30
 
 
 def test_gradnoise_stale_hands_on_the_gradient_of_the_pass_before(make_injector) -> None:

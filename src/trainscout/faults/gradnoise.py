@@ -13,7 +13,8 @@ device and dtype from a generator seeded by rank and step, so a rerun injects th
 
 Other operations on the same path (`op`): `zero` drops the gradient (all zeros), `stale` hands on the gradient of
 the rank's previous backward pass instead of this one's (a stale copy; the first pass after arming has none and
-passes). `param=N` limits a tensor-hook fault to the layer's N-th trainable parameter: one weight's gradient
+passes), `expflip` flips the top exponent bit of the gradient's largest element (one element ~1e35 in float32:
+finite, but past what a float32 sum of squares holds). `param=N` limits a tensor-hook fault to the layer's N-th trainable parameter: one weight's gradient
 dropped or held stale barely moves its layer's norm.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from trainscout.faults.fault_log import log_line
 from trainscout.faults.layers import describe_layer, find_layer
+from trainscout.faults.numeric import exponent_flipped
 from trainscout.faults.schedule import StepSchedule
 
 
@@ -77,6 +79,7 @@ class GradNoiseDrill:
             "noise": f"noise of {self.scale:g}x the RMS added to",
             "zero": "zeros in place of",
             "stale": "the previous backward pass's gradient in place of",
+            "expflip": "the top exponent bit of the largest element flipped in",
         }[self.op]
         return f"how={self.how}: {what} {where} in {count} backward pass(es) from step {self.schedule.start}"
 
@@ -108,6 +111,8 @@ class GradNoiseDrill:
                 return grad.detach().new_zeros(grad.shape)
             if self.op == "stale":
                 return previous if previous is not None and previous.shape == grad.shape else None
+            if self.op == "expflip":
+                return exponent_flipped(grad)
             return noisy(grad, self.scale, self._seed(index))
         except Exception as exc:
             self._fail_open(exc)

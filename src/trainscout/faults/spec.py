@@ -49,7 +49,7 @@ CORRUPT_HOWS = ("bitflip", "sign", "scale", "pct1", "pct100", "expflip", "signfl
 NAN_WHERES = ("param", "grad")
 DELAY_HOWS = ("sleep", "busy", "read", "lock", "gpu", "data")
 GRADNOISE_HOWS = ("tensor", "activation")
-GRADNOISE_OPS = ("noise", "zero", "stale")
+GRADNOISE_OPS = ("noise", "zero", "stale", "expflip")
 OUTFLIP_HOWS = ("hook", "patch")
 
 _COMMON_KEYS = ("rank", "step", "attempt")
