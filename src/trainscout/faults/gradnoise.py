@@ -14,8 +14,8 @@ device and dtype from a generator seeded by rank and step, so a rerun injects th
 Other operations on the same path (`op`): `zero` drops the gradient (all zeros), `stale` hands on the gradient of
 the rank's previous backward pass instead of this one's (a stale copy; the first pass after arming has none and
 passes), `expflip` flips the top exponent bit of the gradient's largest element (one element ~1e35 in float32:
-finite, but past what a float32 sum of squares holds). `param=N` limits a tensor-hook fault to the layer's N-th trainable parameter: one weight's gradient
-dropped or held stale barely moves its layer's norm.
+finite, but past what a float32 sum of squares holds). `param=N` limits a tensor-hook fault to the layer's N-th
+trainable parameter: one weight's gradient dropped or held stale barely moves its layer's norm.
 """
 
 from __future__ import annotations
