@@ -23,6 +23,10 @@ QUESTIONS: dict[str, dict[str, tuple[str, str]]] = {
         ),
         "faults": ("benchmarks.latency.faults", "hang, desync, crash, early exit: seconds to the confirmed finding"),
         "stragglers": ("benchmarks.latency.stragglers", "straggler latency per slowdown level and kind"),
+        "peer": (
+            "benchmarks.latency.peer",
+            "faults made by an independent tool (lm-resiliency's injector) in a job enabling it: named? false blame",
+        ),
     },
     "false-positives": {
         "clean": ("benchmarks.false_positives.clean", "healthy runs (plain, hog, six ranks, slow, pause): 0 findings"),
@@ -84,6 +88,7 @@ QUICK: dict[tuple[str, str], list[str]] = {
     ("latency", "unscripted"): ["--runs", "1", "--cases", "output sign flip (hook)", "--no-record"],
     ("latency", "faults"): ["--runs", "1", "--faults", "crash", "--steps", "40", "--no-record"],
     ("latency", "stragglers"): ["--runs", "1", "--cases", "compute 2x", "--no-record"],
+    ("latency", "peer"): ["--runs", "1", "--cases", "output: sign flip", "--no-record"],
     ("false-positives", "clean"): [
         *("--plain", "1", "--slow", "0", "--pause", "0", "--hog", "0", "--real", "0", "--steps", "60", "--no-record"),
     ],
