@@ -61,6 +61,19 @@ def test_one_step_of_noise_in_one_layers_gradient_is_a_spike_with_a_calm_loss():
     assert found[0].ratio > 100 and abs(found[0].loss_z) < 3
 
 
+def test_noise_on_two_of_four_ranks_in_one_step_names_those_two_not_their_healthy_peers():
+    """Each healthy rank's peers' median is then a corrupted value, so it read 1e-4x its peers' at z -62 and all four
+    ranks were named (the peer's injector, large noise on ranks 0 and 3): it sits at the class's usual level."""
+    found = _run(
+        range(1, 200),
+        norms_of=lambda r, s, n: [x * 1e4 if r in (0, 3) and s == 120 and i == 1 else x for i, x in enumerate(n)],
+    )
+    assert sorted((f.rank, f.pattern, f.layer, f.step) for f in found) == [
+        (0, "spike", "blocks.0", 120),
+        (3, "spike", "blocks.0", 120),
+    ]
+
+
 def test_one_step_of_noise_is_named_whatever_its_peers_spread_that_step():
     """With 4 ranks, one rank far out moves the median of the step's deviations to half its peers' range: the
     step looked 3x wider than usual in about 1 step of 6, was judged on its own spread, and the noise of a

@@ -12,8 +12,10 @@ the median of its peers (leave-one-out). The scale is the class's own: the media
 steps, of each step's median absolute deviation across ranks (robust to one outlier per step, and to the
 fault itself while it lasts). A rank is a suspect when it is far out in robust z AND relatively far AND:
 - persistent: in PERSIST_K of its last PERSIST_M judged steps, on the same side (loss or a layer's norm);
-- spike (gradient norms only): one step at least SPIKE_RATIO times its peers at a robust z of SPIKE_Z, while
-  it is not a hard batch: the gradient went wrong, not the batch. A hard batch raises the loss (z >=
+- spike (gradient norms only): one step at least SPIKE_RATIO times its peers at a robust z of SPIKE_Z, and as far
+  from the class's usual value (the median of its recent step medians: with two of four ranks corrupted, the
+  healthy ones are far from their peers' median, not from the usual), while it is not a hard batch: the gradient
+  went wrong, not the batch. A hard batch raises the loss (z >=
   LOSS_CALM_Z) and with it the gradients of the layers the loss flows back through (their median ratio >=
   BROAD_RATIO); a loss off its peers' by chance (1 step in 20 with 4 ranks) with one layer alone far out hid
   noise.
@@ -126,6 +128,8 @@ class _Stat:
 
     def __init__(self) -> None:
         self.dispersion: deque = deque(maxlen=WINDOW)
+        self.centres: deque = deque(maxlen=WINDOW)  # each step's median across the class
+        self.level: float | None = None  # the class's usual value before the step judged last (median of centres)
         self.was_wide = False  # the last step's spread was more than TURBULENT x the usual
 
     def judge(self, values: Mapping[int, float]) -> dict[int, tuple[float, float, float]]:
@@ -137,6 +141,7 @@ class _Stat:
         out: dict[int, tuple[float, float, float]] = {}
         judged = len(self.dispersion) >= MIN_HISTORY
         usual = _middle(sorted(self.dispersion)) if judged else 0.0
+        self.level = _middle(sorted(self.centres)) if judged else None
         wide = judged and mad > TURBULENT * usual
         if judged:
             # the usual spread, or this step's where the whole class has been far out of its usual for two steps
@@ -151,6 +156,7 @@ class _Stat:
                 out[r] = (v - peers, (v - peers) / sigma, peers)
         self.was_wide = wide
         self.dispersion.append(mad)
+        self.centres.append(centre)
         return out
 
 
@@ -311,8 +317,12 @@ class NumericDetector(DetectorBase):
                     biases.append((r, "loss", "", math.log1p(max(dev / peers, -0.99)), z))
         norm_flags: dict[int, dict[str, tuple[float, float]]] = {}  # rank -> layer -> (ratio, z)
         log_ratios: dict[int, list[float]] = {}  # rank -> every layer's log norm over its peers' median
+        off_level: dict[tuple[int, str], float] = {}  # (rank, layer) -> log norm over the class's usual level
         for layer, values in self._layer_values(group, entry).items():
-            judged = self._stat(group, layer).judge(values)
+            stat = self._stat(group, layer)
+            judged = stat.judge(values)
+            if stat.level is not None:
+                off_level.update(((r, layer), v - stat.level) for r, v in values.items())
             for r, (dev, z, _) in judged.items():
                 log_ratios.setdefault(r, []).append(dev)
                 biases.append((r, "grad_norm", layer, dev, z))
@@ -346,6 +356,7 @@ class NumericDetector(DetectorBase):
                 for k, v in layers.items()
                 if abs(v[1]) >= SPIKE_Z
                 and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)
+                and self._off_level(off_level.get((r, k)), v[0])
                 and self._isolated(r, k, step)
             }
             if not spikes or self._hard_batch(loss_z.get(r, math.inf), log_ratios.get(r, [])):
@@ -528,6 +539,16 @@ class NumericDetector(DetectorBase):
                     )
                 )
         return out
+
+    @staticmethod
+    def _off_level(off: float | None, ratio: float) -> bool:
+        """Whether a rank far from its peers' median this step is as far, on the same side, from its class's usual
+        value: the rank left the class, not the class the rank. With two of four ranks' gradients corrupted in one
+        step, each healthy rank's peers' median is a corrupted value, and the healthy ranks read 1e-4x (all four
+        were named): they sit at the class's usual level, the corrupted ones 1e4x above it."""
+        if off is None:
+            return True  # no level yet (the first judged steps): the peers alone decide
+        return off >= math.log(SPIKE_RATIO) if ratio > 1 else off <= -math.log(SPIKE_RATIO)
 
     @staticmethod
     def _hard_batch(loss_z: float, log_ratios: list[float]) -> bool:
