@@ -69,9 +69,7 @@ class GradNoiseDrill:
                 self._handles.append(p.register_hook(lambda grad, index=index: self._on_grad(grad, index)))
             which = f"parameter {named[0][0]}" if self.param >= 0 else f"{len(named)} parameter(s)"
             where = f"the local gradients of {describe_layer(self._layer_name)}'s {which}"
-        else:
-            if self.op == "stale":
-                raise ValueError("gradnoise op=stale needs how=tensor (a parameter's own gradient to hold)")
+        else:  # op=stale and param= need how=tensor: refused where the spec is parsed (spec.py)
             self._handles.append(self._layer.register_forward_hook(self._on_output))
             where = f"the gradient flowing back into {describe_layer(self._layer_name)}'s output"
         count = self.schedule.count

@@ -70,15 +70,19 @@ def _flip_bits(flat, idx, bit: int, int_name: str) -> None:
     as_int[idx] ^= 1 << bit
 
 
+def _flip_top_exponent_bit(flat, idx, label: str) -> None:
+    width = _TOP_EXPONENT_BIT.get(str(flat.dtype).removeprefix("torch."))
+    if width is None:
+        raise ValueError(f"expflip supports float64/32/16 and bfloat16 tensors, {label} is {flat.dtype}")
+    _flip_bits(flat, idx, width[1], width[0])
+
+
 def exponent_flipped(tensor):
     """A copy of `tensor` whose largest element has the top bit of its exponent flipped: a value under 2 in
     magnitude becomes ~2**128 times larger (float32: up to ~3e38, finite), the one-element SDC of a gradient."""
-    width = _TOP_EXPONENT_BIT.get(str(tensor.dtype).removeprefix("torch."))
-    if width is None:
-        raise ValueError(f"expflip supports float64/32/16 and bfloat16 tensors, not {tensor.dtype}")
     out = tensor.detach().clone()
     flat = out.view(-1)
-    _flip_bits(flat, flat.abs().argmax().reshape(1), width[1], width[0])
+    _flip_top_exponent_bit(flat, flat.abs().argmax().reshape(1), "the gradient")
     return out
 
 
@@ -102,10 +106,7 @@ def corrupt(optimizer, names: dict[int, str], params: dict) -> str:
                 raise ValueError(f"bitflip supports float32 tensors, {label} is {flat.dtype}")
             _flip_bits(flat, idx, 20, "int32")  # one mantissa bit
         elif how == "expflip":
-            width = _TOP_EXPONENT_BIT.get(str(flat.dtype).removeprefix("torch."))
-            if width is None:
-                raise ValueError(f"expflip supports float64/32/16 and bfloat16 tensors, {label} is {flat.dtype}")
-            _flip_bits(flat, idx, width[1], width[0])
+            _flip_top_exponent_bit(flat, idx, label)
         elif how == "signflip":
             flat[idx] = -flat[idx]
         elif how == "sign":
