@@ -317,12 +317,13 @@ class NumericDetector(DetectorBase):
                     biases.append((r, "loss", "", math.log1p(max(dev / peers, -0.99)), z))
         norm_flags: dict[int, dict[str, tuple[float, float]]] = {}  # rank -> layer -> (ratio, z)
         log_ratios: dict[int, list[float]] = {}  # rank -> every layer's log norm over its peers' median
-        off_level: dict[tuple[int, str], float] = {}  # (rank, layer) -> log norm over the class's usual level
-        for layer, values in self._layer_values(group, entry).items():
+        layer_values = self._layer_values(group, entry)
+        levels: dict[str, float] = {}  # layer -> the class's usual log norm before this step
+        for layer, values in layer_values.items():
             stat = self._stat(group, layer)
             judged = stat.judge(values)
             if stat.level is not None:
-                off_level.update(((r, layer), v - stat.level) for r, v in values.items())
+                levels[layer] = stat.level
             for r, (dev, z, _) in judged.items():
                 log_ratios.setdefault(r, []).append(dev)
                 biases.append((r, "grad_norm", layer, dev, z))
@@ -356,7 +357,7 @@ class NumericDetector(DetectorBase):
                 for k, v in layers.items()
                 if abs(v[1]) >= SPIKE_Z
                 and (v[0] >= SPIKE_RATIO or v[0] <= 1 / SPIKE_RATIO)
-                and self._off_level(off_level.get((r, k)), v[0])
+                and self._off_level(layer_values[k][r] - levels[k] if k in levels else None, v[0])
                 and self._isolated(r, k, step)
             }
             if not spikes or self._hard_batch(loss_z.get(r, math.inf), log_ratios.get(r, [])):
