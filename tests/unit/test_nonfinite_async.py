@@ -167,7 +167,7 @@ def test_judge_of_a_sampled_read_scales_each_items_sum_of_squares_by_the_share_i
 def test_judge_of_a_finite_sum_of_squares_past_float32_reads_the_float32_limit_not_inf():
     import numpy as np
 
-    from trainscout.probe.nonfinite import F32_MAX
+    from trainscout.probe.local_evidence import F32_MAX
 
     check, records, evidence = _check_with_evidence(["w", "b"])
     owner = np.array([0, 1, 2])

@@ -45,7 +45,7 @@ _BITS = struct.Struct("<Q")
 _MAX_HELD = 64
 REPEAT_MIN_CHANGE = 0.05  # |log| of a sum of squares' step-to-step ratio, averaged over ~10 steps (see above)
 _CHANGE_WEIGHT = 0.1
-_F32_MAX = float(np.finfo(np.float32).max)
+F32_MAX = float(np.finfo(np.float32).max)  # records carry float32: a finite value past it is sent as it
 
 
 def layer_of(name: str) -> str:
@@ -169,7 +169,7 @@ class LocalEvidence:
                 per_layer = np.bincount(self._layer_index, weights=sumsq.astype(np.float64), minlength=len(self.layers))
                 layer_norms = np.sqrt(per_layer)
                 # a finite norm past the float32 limit (a huge gradient) is sent as the limit, not as Inf
-                layer_norms = np.where(np.isfinite(layer_norms), np.minimum(layer_norms, _F32_MAX), layer_norms)
+                layer_norms = np.where(np.isfinite(layer_norms), np.minimum(layer_norms, F32_MAX), layer_norms)
                 norms = np.concatenate([layer_norms, self._param_counts(step, sumsq)]).astype(np.float32)
         else:  # the layers not measured (FSDP2's gradients are shards anyway): only the reductions' inputs, if any
             measured = False

@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trainscout.probe.budget import fit_stride
+from trainscout.probe.local_evidence import F32_MAX
 
 if TYPE_CHECKING:  # types only: the CUDA path is imported on first use
     from trainscout.probe.device_results import DeviceResults
     from trainscout.probe.nonfinite_cuda import Layout
 
 NONFINITE_PG_INDEX = -2
-F32_MAX = float(np.finfo(np.float32).max)
 # Under a dynamic loss scaler (fp16 AMP) gradients overflow by design now and then, on some replicas only (their
 # batches differ), and the scaler skips that step everywhere and lowers the scale: a rank is named only once its
 # gradients were non-finite in this many checked backward passes in a row, across as many scaler updates less one
