@@ -142,3 +142,28 @@ def test_the_probes_own_checks_are_not_in_the_steps_wall_time():
     timing.after_step(2)
     wall_ns = records[-1][3]
     assert 15_000_000 <= wall_ns < 40_000_000
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _fwd_cpu_us(records) -> int:
+    return int(records[-1][-1].partition("|")[0].split(":")[10])
+
+
+def test_the_forward_phase_cpu_is_counted_per_micro_batch_up_to_backwards_call():
+    timing, records = _timing()
+    timing.after_step(1)
+    _burn(0.01)  # before the forward: not the forward phase
+    for _ in range(2):  # two micro-batches: each forward to its backward's call
+        timing.training_forward()
+        _burn(0.02)
+        timing.backward_started()
+        _burn(0.015)  # backward
+    timing.after_step(2)
+    assert 38_000 <= _fwd_cpu_us(records) < 50_000
+    timing.after_step(3)  # a step without a training forward: not measured
+    assert _fwd_cpu_us(records) == -1

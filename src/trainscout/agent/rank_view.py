@@ -48,7 +48,7 @@ KEEP_RECORDS = 4096
 MAX_ERRORS_PER_DIGEST = 16  # a burst beyond this is counted, not listed
 # a step record's timing fields in microseconds, as the probe writes them (step_timing.StepTiming._emit); the
 # values an older probe's shorter record lacks: data, ckpt, wait, gpu, gpu wait, run queue, probe thread, between
-_STEP_DEFAULTS = [0, 0, 0, -1, -1, -1, 0, -1, 0, 0]
+_STEP_DEFAULTS = [0, 0, 0, -1, -1, -1, 0, -1, 0, 0, -1]
 
 
 GAP_GIVE_UP_S = 3.0
@@ -323,6 +323,7 @@ class RankView:
                 between_s=us[7] / 1e6 if us[7] >= 0 else -1.0,
                 data_workers_s=max(0, us[8]) / 1e6,
                 frozen_s=max(0, us[9]) / 1e6,
+                fwd_cpu_s=us[10] / 1e6 if us[10] >= 0 else -1.0,
             )
         )
 

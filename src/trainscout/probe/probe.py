@@ -411,6 +411,7 @@ class Probe:
                 t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
                 fn = t.grad_fn
                 if fn is not None and t.numel() == 1:
+                    timing.backward_started()
                     timing.on_loss(t)
                     fn.register_prehook(started)  # before the CUDA check's own: timing's end event comes first
                     if nonfinite is not None:

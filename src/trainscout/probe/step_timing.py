@@ -112,6 +112,10 @@ class StepTiming:
         self.probe_cpu_s = 0.0  # CPU the probe's own checks took on the training thread: not "compute" either
         self.probe_wall_s = 0.0  # ... and their wall time this step: not the script's time between steps
         self._between_s = -1.0  # previous optimizer step -> first training forward (-1: no forward seen)
+        # CPU of the training thread in the step's training forwards (each from the model's call to backward's
+        # start, the loss included): the compute's forward share, which a rank's own machine noise leaves alone
+        self._fwd_cpu0: float | None = None  # thread CPU at the current forward's start (None: not in one)
+        self._fwd_cpu_s = -1.0  # -1: no forward ended by a backward this step
         self._grad_enabled: Callable[[], bool] | None = None  # torch.is_grad_enabled, once torch is loaded
         self.wait_s = 0.0
         self.pg_wait: dict[str, float] = {}  # Python-level collective time per process group, this step
@@ -136,6 +140,12 @@ class StepTiming:
         self._coll_events: list = []
 
     # ---- step boundaries -------------------------------------------------------------------
+    def backward_started(self) -> None:
+        """backward() was called on the training thread: the forward phase (with the loss) ends here."""
+        if self._fwd_cpu0 is not None:
+            self._fwd_cpu_s = max(0.0, self._fwd_cpu_s) + time.thread_time() - self._fwd_cpu0
+            self._fwd_cpu0 = None
+
     def backward_ended(self) -> None:
         """Autograd engine callback: backward's own work is done; DDP's reduction wait comes after."""
         self._backward_end = time.perf_counter()
@@ -177,7 +187,9 @@ class StepTiming:
 
     def training_forward(self) -> None:
         """A forward of the trained model in training mode with autograd on (the probe's hook): the first one
-        of a step ends the time between steps."""
+        of a step ends the time between steps; each one opens a forward phase that backward's start closes."""
+        if self._fwd_cpu0 is None:
+            self._fwd_cpu0 = time.thread_time()
         if self._between_s < 0:
             spent = time.perf_counter() - self._wall
             self._between_s = max(0.0, spent - self.data_s - self.ckpt_s - self.wait_s - self.probe_wall_s)
@@ -275,6 +287,7 @@ class StepTiming:
             int(self._between_s * 1e6) if self._between_s >= 0 else -1,
             int(self.data_workers_s * 1e6),
             self._frozen_us(self._wall, wall),
+            int(self._fwd_cpu_s * 1e6) if self._fwd_cpu_s >= 0 else -1,
         )
         pairs, self._coll_events = self._coll_events, []
         if (
@@ -304,6 +317,7 @@ class StepTiming:
         self._wall, self._cpu = wall, cpu
         self.data_s = self.ckpt_s = self.io_cpu_s = self.probe_cpu_s = self.wait_s = self._host_to_backward_s = 0.0
         self.probe_wall_s, self._between_s, self.data_workers_s = 0.0, -1.0, 0.0
+        self._fwd_cpu0, self._fwd_cpu_s = None, -1.0
         self.pg_wait = {}
         self._backward_end = None
 
@@ -346,6 +360,7 @@ class StepTiming:
             between_us,
             workers_us,
             frozen_us,
+            fwd_cpu_us,
         ) = fields
         if gpu_us >= 0:
             # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
@@ -354,7 +369,7 @@ class StepTiming:
             gpu_us = max(gpu_us, host_us)
         desc = (
             f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}:{between_us}:{workers_us}"
-            f":{frozen_us}"
+            f":{frozen_us}:{fwd_cpu_us}"
         )
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
