@@ -1,6 +1,7 @@
 """Faults nobody scripted, named live with the exact rank in a real 4-rank gloo DDP job (the demo script,
 unmodified, under `trainscout run`): a rank blocked in one block's forward (named by the part of its step that
-grew, with the function its time goes to), a layer whose output is sign-flipped on one rank (a numerical
+grew, with the function its time goes to), a rank burning CPU in one block's forward (named by that phase of
+its compute), a layer whose output is sign-flipped on one rank (a numerical
 outlier confirmed by replay), one step of large noise in one rank's local gradient (named as a transient).
 Every other rank stays unblamed."""
 
@@ -36,6 +37,18 @@ def test_a_rank_blocked_in_a_forward_is_named_with_the_function_that_blocks(tmp_
     where = f["evidence"].get("where")
     # py-spy samples the culprit and two peers; where ptrace is refused the finding goes out without it
     assert where is None or "block" in where, result.describe()
+
+
+def test_a_rank_burning_cpu_in_a_forward_is_named_by_that_phase(tmp_path):
+    # 5 ms of busy loop in one block's forward: ~10 % of the demo's step on 2 shared cores, ~1.5x its compute
+    # (under the whole-step fast tier's 1.6x), its forward ~2.5x its peers'
+    result = demo_with_fault(tmp_path, "busy", "delay:rank=2:step=30:ms=5:how=busy", 90)
+    assert result.returncode == 0, result.describe()
+    (f,) = [f for f in result.findings if f["kind"] == "straggler"]
+    assert (f["culprit_ranks"], f["evidence"]["type"], f["evidence"]["phase"]) == ([2], "compute", "forward")
+    # +7..+9 on a quiet machine; the latency bar is measured in benchmarks/, this is room for a loaded one
+    assert f["step"] - 30 <= 20, result.describe()
+    assert _blamed(result) == {2}, result.describe()
 
 
 def _numeric_and_replay(findings: list[dict]) -> bool:

@@ -8,6 +8,9 @@ AND absolute thresholds, robust z) flags the slow side, in two tiers:
 - fine: each rank's median over its last 64 steps of its time relative to the same step's peers (the
   step-to-step swings of a shared machine cancel), 9 % above its peers in 96 of the last 128 steps (a
   straggler of 12 % or more; a busy machine's episodes of 13-17 % last up to ~100 steps).
+On CPU jobs one phase of a rank's compute (its forward, or backward and the optimizer step) over its peers'
+same phase, its balance of phases moved with it, is judged apart (compute_phase.py): a busy machine slows a
+rank as a whole, a rank doing more work in one part of its step grows that part alone.
 Each rank is judged against its peers only (leave-one-out): with 4 ranks the class median and spread
 would include the slow rank itself, and any healthy rank that is fast for its own reasons. An outlier
 counts only if it stands clear of every other rank (half the threshold above the slowest of the rest: two
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 
 from trainscout.consensus import vote_against_peers, vote_statistical
 from trainscout.detectors.comm_straggler import CommStragglerWatch
+from trainscout.detectors.compute_phase import PHASE, PhaseFlag, PhaseWatch
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, LinkProbe
 from trainscout.detectors.periodicity import intermittent_period
 from trainscout.detectors.side_work import MainRankSideWork
@@ -153,6 +157,9 @@ class StragglerDetector(DetectorBase):
         self._fine_flags: dict[int, deque] = {}
         self._mid: dict[int, _SlidingMedian] = {}
         self._mid_flags: dict[int, deque] = {}
+        self.phases = PhaseWatch()  # CPU jobs: one phase of a rank's compute (forward, or the rest) over its peers'
+        self._phase_flags: dict[int, deque] = {}
+        self._phase_last: dict[int, PhaseFlag] = {}  # rank -> its last flag (what its finding says)
         # parts of the step's time straggler.py's metrics do not cover (time_split.py)
         self.parts = [
             PartWatch(BLOCKED, blocked_s),
@@ -329,10 +336,14 @@ class StragglerDetector(DetectorBase):
         if len(samples) < 3:
             return [], False
         step_waits: dict[int, float] = {}
+        out = []
+        phase_flagged = False
         if metric.label == "compute":
             step_waits = self._note_waits(recs)
             self._recent_compute.append(samples)
-        out = []
+            if not self.cuda_job:
+                found, phase_flagged = self._judge_phases(step, recs, metric)
+                out.extend(found)
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.
         spike_rel = max(metric.rel, self.spike_ratio - 1)
         spikes: set[int] = set()
@@ -386,7 +397,37 @@ class StragglerDetector(DetectorBase):
             )
             out.extend(found)
             fine_outliers = fine_outliers or mid_outliers
-        return out, bool(outliers) or fine_outliers
+        return out, bool(outliers) or fine_outliers or phase_flagged
+
+    def _judge_phases(self, step: int, recs: dict[int, StepRecord], metric: Metric) -> tuple[list[Finding], bool]:
+        """One phase of a rank's compute (its forward, or backward and the optimizer step) over its peers' same
+        phase, its balance of phases moved with it (compute_phase.py), its peers waiting for it."""
+        flags = self.phases.observe(recs)
+        kept = self._arrive_last(set(flags), PHASE.window)
+        out = []
+        for r in recs:
+            if step <= WARMUP_STEPS:
+                continue
+            hit = r in kept
+            if hit:
+                self._phase_last[r] = flags[r]
+            hist = self._phase_flags.setdefault(r, deque(maxlen=PHASE.m))
+            if not _record(hist, (step, hit, flags[r].ratio if hit else 1.0)):
+                continue
+            f = self._persistent(
+                r, metric, hist, PHASE.k, f"phase: {PHASE.window}-step medians of one phase's CPU time"
+            )
+            if f is None:
+                continue
+            last = self._phase_last[r]
+            f.summary = (
+                f"rank {r} is a compute straggler: its {last.phase} takes {f.evidence['ratio']:.2f}x the CPU time of "
+                f"its peers' (+{last.excess_s * 1e3:.1f} ms a step; {len(f.evidence['flagged_steps'])} of the last "
+                f"{len(hist)} steps), the rest of its step as theirs; its peers wait for it"
+            )
+            f.evidence.update(phase=last.phase, excess_s=round(last.excess_s, 6))
+            out.append(f)
+        return out, bool(kept)
 
     def _windowed(self, samples: dict[int, float], metric: Metric) -> dict[int, float]:
         """Each rank's median over its last `window` steps, so per-step noise averages out."""

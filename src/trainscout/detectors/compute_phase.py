@@ -1,0 +1,129 @@
+"""Compute stragglers by where the extra CPU went: one phase of one rank's step, against the same phase of its peers.
+
+A CPU job's compute is noisy per rank on a busy machine: CPU taken from a thread (by the hypervisor, a sibling
+hyperthread, a context switch's cold caches) counts as the thread's own, and healthy ranks beside a CPU hog took
+1.3-1.5x their peers' CPU time for ~20 steps. So the whole-step rules ask for 60 % over 8 steps, or 9-20 % over
+16-64 steps, and a rank burning 10 % of a step more in one module was named 30-130 steps after it started.
+That noise falls on the whole step of the rank it hits, in proportion to where the time goes; a rank that does
+more work in one part of its step (a busy loop in a module's forward, a slow hook, a costly per-step check)
+grows that part alone. Each rank measures the CPU time of its training forwards (the model's call to
+backward's start, the loss included) beside its whole compute (probe/step_timing.py); the rest is backward and
+the optimizer step. This rule names a rank whose one phase stands out from its peers' same phase while its own
+balance of phases moved too:
+
+- per step, each rank's phase time over the median of that step's ranks (what the machine does at that
+  moment cancels), its median over the last `window` steps;
+- the phase at least `rel` over its peers' (leave-one-out), robust z over their spread, and clear of every
+  other rank (two ranks slow together share a cause);
+- its phase over its other phase at least `imbalance` over the same ratio of its peers' (a rank slowed as a
+  whole keeps its balance; this is what keeps a busy machine's episodes out);
+- the excess at least `abs_s` and `wall_rel` of the step's wall time, in seconds.
+
+The caller (straggler.py) adds that its peers wait for it and persistence (k of the last m evaluations).
+A job whose ranks report no forward phase (-1: older probes, CUDA jobs, which are judged by GPU spans) is
+not judged here.
+
+Pure logic over plain step records: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from trainscout.consensus import vote_against_peers
+
+
+@dataclass(frozen=True)
+class PhaseRule:
+    window: int = 6
+    rel: float = 0.3
+    imbalance: float = 0.3
+    abs_s: float = 0.002
+    wall_rel: float = 0.04
+    z: float = 6.0
+    k: int = 4
+    m: int = 5
+
+
+PHASE = PhaseRule()
+FORWARD, REST = "forward", "backward and optimizer step"
+
+
+@dataclass(frozen=True)
+class PhaseFlag:
+    """A rank flagged this step: which phase, its windowed ratio to its peers' and its excess in seconds."""
+
+    phase: str
+    ratio: float
+    excess_s: float
+
+
+class PhaseWatch:
+    def __init__(self, rule: PhaseRule = PHASE) -> None:
+        self.rule = rule
+        self._windows: dict[
+            int, deque
+        ] = {}  # rank -> recent (forward / step median, rest / step median, fwd s, rest s)
+
+    def observe(self, recs: Mapping[int, object]) -> dict[int, PhaseFlag]:
+        """One step's records (rank -> StepRecord): the ranks whose one phase stands out, after `window` steps."""
+        phases = {r: _phases(rec) for r, rec in recs.items()}
+        if len(phases) < 3 or any(p is None for p in phases.values()):
+            return {}
+        fwd_mid = _median([p[0] for p in phases.values()])  # type: ignore[index]
+        rest_mid = _median([p[1] for p in phases.values()])  # type: ignore[index]
+        if fwd_mid <= 0 or rest_mid <= 0:
+            return {}
+        for r, (fwd, rest) in phases.items():  # type: ignore[misc]
+            w = self._windows.get(r)
+            if w is None:
+                w = self._windows[r] = deque(maxlen=self.rule.window)
+            w.append((fwd / fwd_mid, rest / rest_mid, fwd - fwd_mid, rest - rest_mid))
+        full = {r: w for r, w in self._windows.items() if r in phases and len(w) == self.rule.window}
+        if len(full) < 3:
+            return {}
+        wall = _median([getattr(rec, "wall_s", 0.0) for rec in recs.values()])
+        floor_s = max(self.rule.abs_s, self.rule.wall_rel * wall)
+        levels = {r: tuple(_median([x[i] for x in w]) for i in range(4)) for r, w in full.items()}
+        out: dict[int, PhaseFlag] = {}
+        for phase, own, other in ((FORWARD, 0, 1), (REST, 1, 0)):
+            values = {r: lv[own] for r, lv in levels.items()}
+            verdict = vote_against_peers(
+                values, rel_threshold=self.rule.rel, abs_threshold=0.0, z_threshold=self.rule.z
+            )
+            if verdict.status != "attributed":
+                continue
+            for r in verdict.outliers:
+                rest = [v for q, v in values.items() if q != r]
+                if values[r] < (1 + self.rule.rel / 2) * max(rest):
+                    continue  # not clear of every other rank
+                balance = levels[r][own] / max(levels[r][other], 1e-9)
+                peers = _median([lv[own] / max(lv[other], 1e-9) for q, lv in levels.items() if q != r])
+                if balance < (1 + self.rule.imbalance) * peers:
+                    continue  # slowed as a whole, in proportion: the machine's noise, or the whole-step rules'
+                excess_s = levels[r][own + 2]
+                if excess_s < floor_s:
+                    continue
+                peer_level = _median(rest)
+                ratio = values[r] / peer_level if peer_level > 0 else float("inf")
+                if r not in out or ratio > out[r].ratio:
+                    out[r] = PhaseFlag(phase, ratio, excess_s)
+        return out
+
+
+def _phases(rec) -> tuple[float, float] | None:
+    """(forward CPU, the rest of the compute) of one step, or None where the forward phase was not measured."""
+    fwd = getattr(rec, "fwd_cpu_s", -1.0)
+    cpu = getattr(rec, "cpu_s", -1.0)
+    if fwd < 0 or cpu <= 0 or getattr(rec, "gpu_s", -1.0) != -1.0:
+        return None
+    fwd = min(fwd, cpu)  # the probe's own CPU inside a forward is taken from cpu_s only
+    return fwd, cpu - fwd
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    h = len(s) // 2
+    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
