@@ -23,7 +23,7 @@ def _records(step, fwd, rest, waits, rng, noise):
             step=step,
             wall_s=WALL,
             cpu_s=(f + b) * (1 + rng.uniform(-noise, noise)),
-            fwd_cpu_s=f * (1 + rng.uniform(-noise, noise)),
+            fwd_s=f * (1 + rng.uniform(-noise, noise)),
             data_s=0.0,
             ckpt_s=0.0,
             wait_s=waits(r, step),
@@ -82,11 +82,46 @@ def test_the_forward_alone_must_move_its_balance_not_only_its_level():
                 step=s,
                 wall_s=WALL,
                 cpu_s=(FWD + REST_S) * (1.4 if r == 0 else 1),
-                fwd_cpu_s=FWD * (1.4 if r == 0 else 1),
+                fwd_s=FWD * (1.4 if r == 0 else 1),
                 data_s=0.0,
                 ckpt_s=0.0,
             )
             for r in WORLD
+        }
+        assert watch.observe(recs) == {}
+
+
+def test_two_of_six_ranks_burning_cpu_in_their_forward_are_both_named():
+    six = tuple(range(6))
+    watch = PhaseWatch()
+    rng = random.Random(3)
+    flagged: list[set] = []
+    for s in range(1, 60):
+        recs = {
+            r: StepRecord(
+                step=s,
+                wall_s=WALL,
+                cpu_s=(FWD + REST_S + (0.0043 if r in (1, 4) and s >= 30 else 0.0)) * (1 + rng.uniform(-0.1, 0.1)),
+                fwd_s=(FWD + (0.0043 if r in (1, 4) and s >= 30 else 0.0)) * (1 + rng.uniform(-0.1, 0.1)),
+                data_s=0.0,
+                ckpt_s=0.0,
+            )
+            for r in six
+        }
+        flagged.append(set(watch.observe(recs)))
+    assert all(f == set() for f in flagged[:29]) and all(f == {1, 4} for f in flagged[40:]), flagged
+
+
+def test_two_of_six_ranks_slowed_as_a_whole_are_not_named_by_phase():
+    six = tuple(range(6))
+    watch = PhaseWatch()
+    for s in range(1, 60):
+        slow = {r: 1.6 if r in (2, 5) and s >= 30 else 1.0 for r in six}
+        recs = {
+            r: StepRecord(
+                step=s, wall_s=WALL, cpu_s=(FWD + REST_S) * slow[r], fwd_s=FWD * slow[r], data_s=0.0, ckpt_s=0.0
+            )
+            for r in six
         }
         assert watch.observe(recs) == {}
 

@@ -323,7 +323,7 @@ class RankView:
                 between_s=us[7] / 1e6 if us[7] >= 0 else -1.0,
                 data_workers_s=max(0, us[8]) / 1e6,
                 frozen_s=max(0, us[9]) / 1e6,
-                fwd_cpu_s=us[10] / 1e6 if us[10] >= 0 else -1.0,
+                fwd_s=us[10] / 1e6 if us[10] >= 0 else -1.0,
             )
         )
 

@@ -1,4 +1,4 @@
-"""Compute stragglers by where the extra CPU went: one phase of one rank's step, against the same phase of its peers.
+"""Compute stragglers by where the extra time went: one phase of one rank's step, against the same phase of its peers.
 
 A CPU job's compute is noisy per rank on a busy machine: CPU taken from a thread (by the hypervisor, a sibling
 hyperthread, a context switch's cold caches) counts as the thread's own, and healthy ranks beside a CPU hog took
@@ -13,15 +13,20 @@ balance of phases moved too:
 
 - per step, each rank's phase time over the median of that step's ranks (what the machine does at that
   moment cancels), its median over the last `window` steps;
-- the phase at least `rel` over its peers' (leave-one-out), robust z over their spread, and clear of every
-  other rank (two ranks slow together share a cause);
+- the phase at least `rel` over its peers' (leave-one-out), robust z over their spread, the flagged ranks a
+  strict minority, each clear of every rank not flagged;
 - its phase over its other phase at least `imbalance` over the same ratio of its peers' (a rank slowed as a
-  whole keeps its balance; this is what keeps a busy machine's episodes out);
+  whole keeps its balance; this is what keeps a busy machine's episodes out, and why two ranks may be named
+  together here: two processes on one busy core are slowed as a whole, where the whole-step rules must take
+  two ranks slow together for a shared cause);
 - the excess at least `abs_s` and `wall_rel` of the step's wall time, in seconds.
 
+On CUDA steps the phases are GPU spans (events on the training stream at each forward's start and backward's
+call; the compute is the span to the end of backward), less the collectives waited for inside them; straggler.py
+does not judge those yet (not measured on clean CUDA jobs).
 The caller (straggler.py) adds that its peers wait for it and persistence (k of the last m evaluations).
-A job whose ranks report no forward phase (-1: older probes, CUDA jobs, which are judged by GPU spans) is
-not judged here.
+Steps whose ranks report no forward phase (-1: older probes, a model the probe does not see called) are not
+judged here.
 
 Pure logic over plain step records: no torch, no I/O.
 """
@@ -96,9 +101,9 @@ class PhaseWatch:
             if verdict.status != "attributed":
                 continue
             for r in verdict.outliers:
-                rest = [v for q, v in values.items() if q != r]
+                rest = [v for q, v in values.items() if q != r and q not in verdict.outliers]
                 if values[r] < (1 + self.rule.rel / 2) * max(rest):
-                    continue  # not clear of every other rank
+                    continue  # not clear of every rank the vote left
                 balance = levels[r][own] / max(levels[r][other], 1e-9)
                 peers = _median([lv[own] / max(lv[other], 1e-9) for q, lv in levels.items() if q != r])
                 if balance < (1 + self.rule.imbalance) * peers:
@@ -114,13 +119,15 @@ class PhaseWatch:
 
 
 def _phases(rec) -> tuple[float, float] | None:
-    """(forward CPU, the rest of the compute) of one step, or None where the forward phase was not measured."""
-    fwd = getattr(rec, "fwd_cpu_s", -1.0)
-    cpu = getattr(rec, "cpu_s", -1.0)
-    if fwd < 0 or cpu <= 0 or getattr(rec, "gpu_s", -1.0) != -1.0:
+    """(the forwards, the rest of the compute) of one step in the measure of its compute (CPU time, or on CUDA
+    steps the GPU's span), or None where the forwards were not measured."""
+    fwd = getattr(rec, "fwd_s", -1.0)
+    gpu = getattr(rec, "gpu_s", -1.0)
+    total = getattr(rec, "cpu_s", -1.0) if gpu == -1.0 else gpu
+    if fwd < 0 or total <= 0:
         return None
-    fwd = min(fwd, cpu)  # the probe's own CPU inside a forward is taken from cpu_s only
-    return fwd, cpu - fwd
+    fwd = min(fwd, total)  # the probe's own CPU inside a forward is taken from cpu_s only
+    return fwd, total - fwd
 
 
 def _median(values: list[float]) -> float:

@@ -341,7 +341,8 @@ class StragglerDetector(DetectorBase):
         if metric.label == "compute":
             step_waits = self._note_waits(recs)
             self._recent_compute.append(samples)
-            if not self.cuda_job:
+            # CUDA steps carry their forwards' GPU span too; it is not judged until measured on clean CUDA jobs
+            if samples and not self.cuda_job:
                 found, phase_flagged = self._judge_phases(step, recs, metric)
                 out.extend(found)
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.

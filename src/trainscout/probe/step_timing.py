@@ -51,6 +51,7 @@ _GPU_PENDING_MAX = 256
 # cost on the training thread; the step records reach the agent a few steps later).
 DRAIN_EVERY = 4
 BETWEEN_FIELD = 10  # index of the time between steps in a step's fields (the GPU may raise it later)
+FWD_FIELD = 13  # index of the forwards' time: CPU on the host, replaced by the GPU's span on CUDA steps
 
 
 class RunQueueClock:
@@ -116,6 +117,8 @@ class StepTiming:
         # start, the loss included): the compute's forward share, which a rank's own machine noise leaves alone
         self._fwd_cpu0: float | None = None  # thread CPU at the current forward's start (None: not in one)
         self._fwd_cpu_s = -1.0  # -1: no forward ended by a backward this step
+        self._fwd_event = None  # CUDA: an event at the current forward's start, on the training stream
+        self._fwd_pairs: list = []  # CUDA: (start, end) events of this step's forwards: the GPU's forward span
         self._grad_enabled: Callable[[], bool] | None = None  # torch.is_grad_enabled, once torch is loaded
         self.wait_s = 0.0
         self.pg_wait: dict[str, float] = {}  # Python-level collective time per process group, this step
@@ -133,7 +136,8 @@ class StepTiming:
         self._ev_backward = None
         self._ev_pre = None
         self._ev_forward = None  # M: the step's first training forward (between A and B)
-        self._gpu_pending: deque = deque()  # (record fields, A, B, C, M or None, collective pairs)
+        # (record fields, A, B, C, M or None, collective pairs, forward pairs)
+        self._gpu_pending: deque = deque()
         self._free_events: list = []
         # Python-level collectives between A and B (e.g. a logged loss all-reduced after the optimizer step):
         # the training stream waits there for the slowest rank, which is not this rank's compute
@@ -145,6 +149,12 @@ class StepTiming:
         if self._fwd_cpu0 is not None:
             self._fwd_cpu_s = max(0.0, self._fwd_cpu_s) + time.thread_time() - self._fwd_cpu0
             self._fwd_cpu0 = None
+        if self._fwd_event is not None:
+            try:
+                self._fwd_pairs.append((self._fwd_event, self._event()))
+            except Exception:
+                self._free_events.append(self._fwd_event)
+            self._fwd_event = None
 
     def backward_ended(self) -> None:
         """Autograd engine callback: backward's own work is done; DDP's reduction wait comes after."""
@@ -190,6 +200,11 @@ class StepTiming:
         of a step ends the time between steps; each one opens a forward phase that backward's start closes."""
         if self._fwd_cpu0 is None:
             self._fwd_cpu0 = time.thread_time()
+            if self._cuda is not None and self._ev_start is not None:
+                try:
+                    self._fwd_event = self._event()
+                except Exception:
+                    self._fwd_event = None
         if self._between_s < 0:
             spent = time.perf_counter() - self._wall
             self._between_s = max(0.0, spent - self.data_s - self.ckpt_s - self.wait_s - self.probe_wall_s)
@@ -290,6 +305,10 @@ class StepTiming:
             int(self._fwd_cpu_s * 1e6) if self._fwd_cpu_s >= 0 else -1,
         )
         pairs, self._coll_events = self._coll_events, []
+        fwd_pairs, self._fwd_pairs = self._fwd_pairs, []
+        if self._fwd_event is not None:  # a forward not followed by a backward this step (evaluation in train mode)
+            self._free_events.append(self._fwd_event)
+            self._fwd_event = None
         if (
             self._cuda is not None
             and self._ev_start is not None
@@ -297,8 +316,10 @@ class StepTiming:
             and self._ev_pre is not None
         ):
             events = (self._ev_start, self._ev_backward, self._ev_pre, self._ev_forward)
-            self._gpu_pending.append((fields, *events, pairs))
+            self._gpu_pending.append((fields, *events, pairs, fwd_pairs))
         else:
+            for pair in fwd_pairs:
+                self._free_events.extend(pair)
             self._emit(fields, -1, -1)
         if self._cuda is not None:
             try:
@@ -360,7 +381,7 @@ class StepTiming:
             between_us,
             workers_us,
             frozen_us,
-            fwd_cpu_us,
+            fwd_us,
         ) = fields
         if gpu_us >= 0:
             # The GPU span alone misreads a host-bound rank: the last to arrive finds its GPU idle,
@@ -369,7 +390,7 @@ class StepTiming:
             gpu_us = max(gpu_us, host_us)
         desc = (
             f"{data_us}:{ckpt_us}:{wait_us}:{gpu_us}:{gpu_wait_us}:{runq_us}:{other_us}:{between_us}:{workers_us}"
-            f":{frozen_us}:{fwd_cpu_us}"
+            f":{frozen_us}:{fwd_us}"
         )
         if pg_wait:
             desc += "|" + ",".join(f"{name}={int(s * 1e6)}" for name, s in pg_wait.items())
@@ -398,7 +419,7 @@ class StepTiming:
 
     def _drain_gpu(self, force: bool = False) -> None:
         while self._gpu_pending:
-            fields, a, b, c, m, pairs = self._gpu_pending[0]
+            fields, a, b, c, m, pairs, fwd_pairs = self._gpu_pending[0]
             if not (c.query() and b.query()):  # non-blocking; later steps complete later
                 if force or len(self._gpu_pending) > _GPU_PENDING_MAX:
                     self._gpu_pending.popleft()
@@ -413,9 +434,10 @@ class StepTiming:
                 between = max(fields[BETWEEN_FIELD], int(max(0.0, before_ms) * 1e3))
                 fields = (*fields[:BETWEEN_FIELD], between, *fields[BETWEEN_FIELD + 1 :])
                 self._free_events.append(m)
+            fields = (*fields[:FWD_FIELD], _forward_us(fwd_pairs, pairs), *fields[FWD_FIELD + 1 :])
             self._emit(fields, int(max(0.0, span_ms - coll_ms) * 1e3), int((b.elapsed_time(c) + coll_ms) * 1e3))
             self._free_events.extend((a, b, c))
-            for pair in pairs:
+            for pair in (*pairs, *fwd_pairs):
                 self._free_events.extend(pair)
 
     def costs(self) -> None:
@@ -518,3 +540,20 @@ def call_site(frame, depth: int = 3) -> str:
             parts.append(f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}")
         frame = frame.f_back
     return " <- ".join(parts)
+
+
+def _forward_us(fwd_pairs: list, coll_pairs: list) -> int:
+    """The GPU's span of a step's training forwards in us (-1: none seen), less the collectives it waited for
+    inside them (FSDP's all-gathers, DDP's buffer broadcast): time in the forward, not waiting for peers."""
+    if not fwd_pairs:
+        return -1
+    ms = 0.0
+    try:
+        for start, end in fwd_pairs:
+            ms += start.elapsed_time(end)
+            for x, y in coll_pairs:
+                if start.elapsed_time(x) >= 0 and y.elapsed_time(end) >= 0:
+                    ms -= x.elapsed_time(y)
+    except Exception:  # fail open: the step's other GPU timings stand
+        return -1
+    return int(max(0.0, ms) * 1e3)

@@ -105,9 +105,10 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     between_s: float = -1.0
     data_workers_s: float = 0.0  # the part of data_s spent waiting for DataLoader worker processes' batches
     frozen_s: float = 0.0  # the whole process was stopped this long in the step (its probe thread woke that late)
-    # CPU time of the training thread in the step's training forwards (to backward's call, the loss included), a
-    # part of cpu_s (-1: not measured)
-    fwd_cpu_s: float = -1.0
+    # the step's training forwards (each to backward's call, the loss included), in the measure of its compute: the
+    # training thread's CPU time (a part of cpu_s), on CUDA steps the GPU's span less collectives (a part of gpu_s);
+    # -1: not measured
+    fwd_s: float = -1.0
 
 
 class NumericRecord(msgspec.Struct, array_like=True, gc=False):
