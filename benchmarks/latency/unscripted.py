@@ -58,6 +58,7 @@ CASES: dict[str, tuple[str, str, int, bool]] = {
     "b: sleep 10x every 6th": ("delay:how=sleep:ms={tenfold}:every=6", "straggler", 200, False),
     "b: sleep 10% every 6th": ("delay:how=sleep:ms={ten}:every=6", "straggler", 300, False),
     "b: sleep 2x every 6th": ("delay:how=sleep:ms={twice}:every=6", "straggler", 250, False),
+    "b: busy 10% every 6th": ("delay:how=busy:ms={ten}:every=6", "straggler", 300, False),
     "c: gradient noise (tensor)": ("gradnoise:how=tensor", "sdc", 160, False),
     "c: gradient noise (activation)": ("gradnoise:how=activation:layer=blocks.1", "sdc", 160, False),
     "d: output sign flip (hook)": ("outflip:how=hook", "sdc", 200, False),

@@ -154,3 +154,12 @@ def test_records_without_a_forward_phase_are_not_judged_by_it():
             r: StepRecord(step=s, wall_s=WALL, cpu_s=0.01 * (3 if r == 2 else 1), data_s=0.0, ckpt_s=0.0) for r in WORLD
         }
         assert watch.observe(recs) == {}
+
+
+def test_a_busy_loop_in_a_forward_every_sixth_step_is_an_intermittent_straggler():
+    # 4.3 ms every 6th step: 1.4x that step's compute (under the 1.5x spike), its forward ~2.4x its peers'
+    fwd = lambda r, s: FWD + (0.0043 if r == 2 and s >= 60 and s % 6 == 0 else 0.0)  # noqa: E731
+    waits = lambda r, s: 0.001 if r == 2 and s >= 60 and s % 6 == 0 else 0.02  # noqa: E731
+    found = _feed(StragglerDetector(), range(1, 200), fwd, lambda r, s: REST_S, waits, noise=0.05)
+    assert [(f.culprit_ranks, f.evidence["type"], f.evidence.get("period")) for f, _ in found] == [([2], "compute", 6)]
+    assert found[0][1] <= 60 + 6 * 5  # at its 5th occurrence (StragglerDetector's intermittent_min)

@@ -53,6 +53,8 @@ class PhaseRule:
 
 
 PHASE = PhaseRule()
+# a single step's phase this far over its peers' is a spike (straggler.py looks for a period in a rank's spikes)
+SPIKE_REL = 0.5
 FORWARD, REST = "forward", "backward and optimizer step"
 
 
@@ -68,12 +70,14 @@ class PhaseFlag:
 class PhaseWatch:
     def __init__(self, rule: PhaseRule = PHASE) -> None:
         self.rule = rule
-        self._windows: dict[
-            int, deque
-        ] = {}  # rank -> recent (forward / step median, rest / step median, fwd s, rest s)
+        # rank -> recent (forward / step median, rest / step median, forward excess s, rest excess s)
+        self._windows: dict[int, deque] = {}
+        self.spikes: dict[int, PhaseFlag] = {}  # the last step's: one phase SPIKE_REL over its peers' that step
 
     def observe(self, recs: Mapping[int, object]) -> dict[int, PhaseFlag]:
-        """One step's records (rank -> StepRecord): the ranks whose one phase stands out, after `window` steps."""
+        """One step's records (rank -> StepRecord): the ranks whose one phase stands out over the last `window`
+        steps (and, in `spikes`, in this step alone)."""
+        self.spikes = {}
         phases = {r: _phases(rec) for r, rec in recs.items()}
         if len(phases) < 3 or any(p is None for p in phases.values()):
             return {}
@@ -81,28 +85,35 @@ class PhaseWatch:
         rest_mid = _median([p[1] for p in phases.values()])  # type: ignore[index]
         if fwd_mid <= 0 or rest_mid <= 0:
             return {}
+        now = {}
         for r, (fwd, rest) in phases.items():  # type: ignore[misc]
+            now[r] = (fwd / fwd_mid, rest / rest_mid, fwd - fwd_mid, rest - rest_mid)
             w = self._windows.get(r)
             if w is None:
                 w = self._windows[r] = deque(maxlen=self.rule.window)
-            w.append((fwd / fwd_mid, rest / rest_mid, fwd - fwd_mid, rest - rest_mid))
+            w.append(now[r])
+        wall = _median([getattr(rec, "wall_s", 0.0) for rec in recs.values()])
+        floor_s = max(self.rule.abs_s, self.rule.wall_rel * wall)
+        # a single step: its value is its own, no median to steady it, so only a clear spike counts
+        self.spikes = self._standouts(now, SPIKE_REL, floor_s)
         full = {r: w for r, w in self._windows.items() if r in phases and len(w) == self.rule.window}
         if len(full) < 3:
             return {}
-        wall = _median([getattr(rec, "wall_s", 0.0) for rec in recs.values()])
-        floor_s = max(self.rule.abs_s, self.rule.wall_rel * wall)
         levels = {r: tuple(_median([x[i] for x in w]) for i in range(4)) for r, w in full.items()}
+        return self._standouts(levels, self.rule.rel, floor_s)
+
+    def _standouts(self, levels: dict[int, tuple], rel: float, floor_s: float) -> dict[int, PhaseFlag]:
+        """The ranks whose one phase is `rel` over its peers' (z, a strict minority, clear of the ranks not
+        flagged), their balance of phases moved with it, by `floor_s` or more."""
         out: dict[int, PhaseFlag] = {}
         for phase, own, other in ((FORWARD, 0, 1), (REST, 1, 0)):
             values = {r: lv[own] for r, lv in levels.items()}
-            verdict = vote_against_peers(
-                values, rel_threshold=self.rule.rel, abs_threshold=0.0, z_threshold=self.rule.z
-            )
+            verdict = vote_against_peers(values, rel_threshold=rel, abs_threshold=0.0, z_threshold=self.rule.z)
             if verdict.status != "attributed":
                 continue
             for r in verdict.outliers:
                 rest = [v for q, v in values.items() if q != r and q not in verdict.outliers]
-                if values[r] < (1 + self.rule.rel / 2) * max(rest):
+                if values[r] < (1 + rel / 2) * max(rest):
                     continue  # not clear of every rank the vote left
                 balance = levels[r][own] / max(levels[r][other], 1e-9)
                 peers = _median([lv[own] / max(lv[other], 1e-9) for q, lv in levels.items() if q != r])

@@ -338,6 +338,7 @@ class StragglerDetector(DetectorBase):
         step_waits: dict[int, float] = {}
         out = []
         phase_flagged = False
+        phase_spikes: set[int] = set()
         if metric.label == "compute":
             step_waits = self._note_waits(recs)
             self._recent_compute.append(samples)
@@ -345,12 +346,16 @@ class StragglerDetector(DetectorBase):
             if samples and not self.cuda_job:
                 found, phase_flagged = self._judge_phases(step, recs, metric)
                 out.extend(found)
+                phase_spikes = set(self.phases.spikes)
         # Spikes (for intermittent stragglers): one step, clearly slower than the peers of that step.
         spike_rel = max(metric.rel, self.spike_ratio - 1)
         spikes: set[int] = set()
         if _may_stand_out(samples, spike_rel):
             spike = vote_statistical(samples, rel_threshold=spike_rel, abs_threshold=metric.abs_s)
             spikes = set(spike.outliers) if spike.status == "attributed" else set()
+        # one phase of a step far over its peers' counts too (a busy loop in a forward every Nth step: 1.4x the
+        # step's compute, under the 1.5x spike, its forward 2.4x)
+        spikes |= phase_spikes
         # Compute: each step's value over that step's median, so what the whole machine does at that
         # moment (a noisy neighbour, a hog) cancels; the absolute margin is scaled the same way.
         level = _median(samples.values()) if metric.label == "compute" else 0.0
