@@ -55,6 +55,8 @@ class PhaseRule:
 PHASE = PhaseRule()
 # a single step's phase this far over its peers' is a spike (straggler.py looks for a period in a rank's spikes)
 SPIKE_REL = 0.5
+# ... at this robust z: three peers' single steps give a rough spread (a 1.9x forward read z 5.9)
+SPIKE_Z = 4.0
 FORWARD, REST = "forward", "backward and optimizer step"
 
 
@@ -95,20 +97,22 @@ class PhaseWatch:
         wall = _median([getattr(rec, "wall_s", 0.0) for rec in recs.values()])
         floor_s = max(self.rule.abs_s, self.rule.wall_rel * wall)
         # a single step: its value is its own, no median to steady it, so only a clear spike counts
-        self.spikes = self._standouts(now, SPIKE_REL, floor_s)
+        self.spikes = self._standouts(now, SPIKE_REL, floor_s, SPIKE_Z)
         full = {r: w for r, w in self._windows.items() if r in phases and len(w) == self.rule.window}
         if len(full) < 3:
             return {}
         levels = {r: tuple(_median([x[i] for x in w]) for i in range(4)) for r, w in full.items()}
         return self._standouts(levels, self.rule.rel, floor_s)
 
-    def _standouts(self, levels: dict[int, tuple], rel: float, floor_s: float) -> dict[int, PhaseFlag]:
+    def _standouts(
+        self, levels: dict[int, tuple], rel: float, floor_s: float, z: float | None = None
+    ) -> dict[int, PhaseFlag]:
         """The ranks whose one phase is `rel` over its peers' (z, a strict minority, clear of the ranks not
         flagged), their balance of phases moved with it, by `floor_s` or more."""
         out: dict[int, PhaseFlag] = {}
         for phase, own, other in ((FORWARD, 0, 1), (REST, 1, 0)):
             values = {r: lv[own] for r, lv in levels.items()}
-            verdict = vote_against_peers(values, rel_threshold=rel, abs_threshold=0.0, z_threshold=self.rule.z)
+            verdict = vote_against_peers(values, rel_threshold=rel, abs_threshold=0.0, z_threshold=z or self.rule.z)
             if verdict.status != "attributed":
                 continue
             for r in verdict.outliers:

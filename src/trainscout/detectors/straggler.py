@@ -116,6 +116,10 @@ TWO_RANK_CONFIDENCE = 0.4
 # rank 0 over steps 2-14 of a healthy demo run, 1.4x for rank 2 over steps 10-16 of another (in CI, 2
 # cores shared by 4 ranks and the test runner). Sustained-slowness windows are not judged before this.
 WARMUP_STEPS = 20
+PHASE_LOG = "compute-phase"  # the flag logs of phase spikes (compute_phase.py), one per phase
+# 4 hits: at 3, phase spikes at z 4 named none of 50 clean CPU runs, but one healthy rank's burst (forward spikes
+# at steps 104, 116, 118 of a 6-rank run) was a step from it, and a burst of 3 evenly spaced ones needs no more
+PHASE_INTERMITTENT_MIN = 4
 STILL_SLOW_STEPS = 3  # a flagged rank must still be slow over its last few steps, not only over the window
 SLOWEST_SHARE = 0.5  # ... and the slowest rank, clear of every other, in at least this share of the window's steps
 
@@ -353,9 +357,6 @@ class StragglerDetector(DetectorBase):
         if _may_stand_out(samples, spike_rel):
             spike = vote_statistical(samples, rel_threshold=spike_rel, abs_threshold=metric.abs_s)
             spikes = set(spike.outliers) if spike.status == "attributed" else set()
-        # one phase of a step far over its peers' counts too (a busy loop in a forward every Nth step: 1.4x the
-        # step's compute, under the 1.5x spike, its forward 2.4x)
-        spikes |= phase_spikes
         # Compute: each step's value over that step's median, so what the whole machine does at that
         # moment (a noisy neighbour, a hog) cancels; the absolute margin is scaled the same way.
         level = _median(samples.values()) if metric.label == "compute" else 0.0
@@ -389,6 +390,15 @@ class StragglerDetector(DetectorBase):
                     if f is not None:
                         out.append(f)
             f = self._intermittent(r, metric, len(samples)) if r in spikes else None
+            if f is None and r in phase_spikes:
+                # one phase of a step far over its peers' (a busy loop in a forward every Nth step: 1.4x the
+                # step's compute, under the 1.5x spike, its forward 2.4x), in a log of its own: healthy ranks
+                # spike so in 0.2 % of their steps (50 clean CPU runs), far rarer than whole-step spikes
+                # one log per phase: a fault every Nth step is in one place; a busy machine's burst on a healthy
+                # rank spikes in either
+                log = f"{PHASE_LOG}:{self.phases.spikes[r].phase}"
+                self._flag_log.setdefault(log, {}).setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
+                f = self._intermittent(r, metric, len(samples), log, PHASE_INTERMITTENT_MIN)
             if f is not None:
                 out.append(f)
         fine_outliers = False
@@ -648,13 +658,15 @@ class StragglerDetector(DetectorBase):
             },
         )
 
-    def _intermittent(self, rank, metric, size: int) -> Finding | None:
+    def _intermittent(
+        self, rank, metric, size: int, log: str | None = None, min_hits: int | None = None
+    ) -> Finding | None:
         key = (rank, metric.label, "intermittent")
         if key in self._reported or (rank, metric.label, "persistent") in self._reported:
             return None  # a rank named slow at every step is not news when it is also slow at some
-        logs = self._flag_log.get(metric.label, {})
+        logs = self._flag_log.get(log or metric.label, {})
         # not regular, or (nearly) every step (the persistent rule's case), or as likely by chance (periodicity.py)
-        found = intermittent_period(rank, logs, self.intermittent_min, WARMUP_STEPS, size)
+        found = intermittent_period(rank, logs, min_hits or self.intermittent_min, WARMUP_STEPS, size)
         if found is None:
             return None
         self._reported.add(key)
