@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainscout.detectors.periodicity import (
+    Period,
     beyond_chance,
     intermittent_period,
     peers_rate,
@@ -171,3 +172,11 @@ def test_two_ranks_of_six_on_one_rhythm_are_still_a_minority():
     logs = {1: list(range(100, 125, 6)), 4: list(range(102, 127, 6))}
     assert intermittent_period(1, {1: logs[1], 4: logs[4][:-1]}, 3, first_step=20, size=6) is not None
     assert intermittent_period(1, logs, 3, first_step=20, size=4) is None  # two of four: no majority left
+
+
+def test_an_exact_progression_of_small_spikes_is_judged_for_the_job_not_one_rank():
+    # a clean 4-rank run: one healthy rank's 4 ms blocks at steps 72, 94, 116 and 160 (4 of 5 slots of period 22),
+    # its peers spiking at ~1.25 % of steps, 7 spikes seen: 2.5e-6 for that rank alone, under SMALL_CHANCE
+    found = Period(period=22, hits=[72, 94, 116, 160], slots=5)
+    assert beyond_chance(found, 0.0125, 7, exact=True)
+    assert not beyond_chance(found, 0.0125, 7, exact=True, ranks=4)

@@ -82,7 +82,10 @@ CHANCE = 1e-4
 # Small spikes (an exact progression) are what healthy ranks show on a busy machine, in bursts the binomial
 # model underrates: at 1e-4, chance progressions of 4 small spikes named a healthy rank in 2 of ~20 clean CPU
 # runs of new job shapes (chances 1e-5 and 4e-6 there); a real 10 % block every 6th step reached 5e-6 at its
-# 5th occurrence and 0 at its 6th.
+# 5th occurrence and 0 at its 6th. And it is asked of the job, not of one rank: a clean 4-rank run had one healthy
+# rank's 4 ms blocks fall on 4 of 5 slots of an exact 22-step progression at 2.5e-6 for that rank (its peers
+# spiked at ~1.3 % of steps, rank 0 at 5 %), so the chance is multiplied by the ranks compared (1e-5 there); 219
+# recorded runs replayed: that finding goes, two detections of 10 % every 6th move by one occurrence.
 SMALL_CHANCE = 3e-6
 
 
@@ -126,7 +129,8 @@ def intermittent_period(
     if found is None:
         return None
     rate = max(peers_rate(rank, logs, found.hits[-1], first_step, span_start=found.hits[0]), off_rate(found, spikes))
-    if not beyond_chance(found, rate, min(len(spikes), LOOKBACK), exact):
+    # small spikes: any of the `size` ranks could have lined some up by chance (see SMALL_CHANCE)
+    if not beyond_chance(found, rate, min(len(spikes), LOOKBACK), exact, ranks=size if exact else 1):
         return None
     peers = logs if rhythm_logs is None else rhythm_logs
     sharing = 1 + sum(1 for r, steps in peers.items() if r != rank and shares_period(found, steps, exact))
@@ -153,18 +157,18 @@ def shares_period(found: Period, spikes: Iterable[int], exact: bool = False) -> 
     return False
 
 
-def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False) -> bool:
+def beyond_chance(found: Period, rate: float, spikes_seen: int, exact: bool = False, ranks: int = 1) -> bool:
     """Whether spikes at `rate` per step, at random, could hardly have made `found`: the binomial chance of
     its hits on its slots (a slot spans the progression's slack), times the progressions `spikes_seen` spikes
-    offer (an anchor and a period each), at most CHANCE (SMALL_CHANCE for an exact progression of small
-    spikes). Where healthy ranks spike now and then (a real job's
-    first step at each new sequence length on CUDA: ~80 ms on the driver, every rank in turn, ~10 times in 60
-    steps), three spikes fall on some progression by chance; a rank slow every Nth step is named once its
-    hits are that unlikely (among quiet peers: at once)."""
+    offer (an anchor and a period each), and times `ranks` (any of the ranks compared could have made it), at
+    most CHANCE (SMALL_CHANCE for an exact progression of small spikes). Where healthy ranks spike now and
+    then (a real job's first step at each new sequence length on CUDA: ~80 ms on the driver, every rank in
+    turn, ~10 times in 60 steps), three spikes fall on some progression by chance; a rank slow every Nth
+    step is named once its hits are that unlikely (among quiet peers: at once)."""
     width = 1 if exact else 1 + 2 * min(found.period // 10, MAX_SLACK)
     slot = min(1.0, rate * width)
     chance = sum(
         math.comb(found.slots, k) * slot**k * (1 - slot) ** (found.slots - k)
         for k in range(len(found.hits), found.slots + 1)
     )
-    return chance * max(1, math.comb(spikes_seen, 2)) <= (SMALL_CHANCE if exact else CHANCE)
+    return ranks * chance * max(1, math.comb(spikes_seen, 2)) <= (SMALL_CHANCE if exact else CHANCE)
