@@ -295,6 +295,22 @@ def test_sidecar_tables_of_arbitrary_bytes_never_break_the_agent_view(raw):
             view.close()
 
 
+def test_a_step_description_cut_at_its_size_keeps_its_times_and_its_whole_groups():
+    times = [123456] * 11  # every field the probe sends, the forwards' time last
+    groups = {f"group{i}": 1000 + i for i in range(8)}  # more process groups than the description holds
+    with Channel() as ch:
+        write_records(ch, [("step", 7, times, groups)])
+        view = RankView(ch.run_id, 0, ch.writer.path)
+        try:
+            view.refresh()
+            (rec,) = view.take_steps()
+        finally:
+            view.close()
+    assert rec.fwd_s == 0.123456 and rec.frozen_s == 0.123456
+    assert 0 < len(rec.pg_wait) < len(groups)  # the last one was cut: left out, not misread or raised on
+    assert all(rec.pg_wait[k] == groups[k] / 1e6 for k in rec.pg_wait)
+
+
 def test_a_state_record_naming_a_negative_tensor_id_is_not_read_as_a_tensor_from_the_end():
     with Channel() as ch:
         ch.writer.append(STATE_PG_INDEX, -1, 7, 0, 1, 3, "state", "0:8")

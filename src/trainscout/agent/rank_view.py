@@ -12,6 +12,7 @@ import numpy as np
 import psutil
 
 from trainscout.channel.layout import (
+    DESC_BYTES,
     ERROR_PG_INDEX,
     RECORD_DTYPE,
     evidence_table_path,
@@ -304,9 +305,15 @@ class RankView:
         us = [_int64(int(x)) for x in times.split(":")]
         us += _STEP_DEFAULTS[len(us) :]  # older probes send fewer fields
         pg_wait = {}
-        for part in filter(None, groups.split(",")):
+        parts = groups.split(",")
+        if len(rec.desc) >= DESC_BYTES:
+            # cut at the record's size: the last group's figure may be partial (read low); a description of exactly
+            # that size loses its last group's wait, which only details a communication straggler
+            parts = parts[:-1]
+        for part in filter(None, parts):
             name, _, t = part.rpartition("=")
-            pg_wait[name] = _int64(int(t)) / 1e6
+            if name and t.lstrip("-").isdigit():
+                pg_wait[name] = _int64(int(t)) / 1e6
         self._steps_out.append(
             StepRecord(
                 step=rec.step,

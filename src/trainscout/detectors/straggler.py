@@ -392,10 +392,9 @@ class StragglerDetector(DetectorBase):
             f = self._intermittent(r, metric, len(samples)) if r in spikes else None
             if f is None and r in phase_spikes:
                 # one phase of a step far over its peers' (a busy loop in a forward every Nth step: 1.4x the
-                # step's compute, under the 1.5x spike, its forward 2.4x), in a log of its own: healthy ranks
-                # spike so in 0.2 % of their steps (50 clean CPU runs), far rarer than whole-step spikes
-                # one log per phase: a fault every Nth step is in one place; a busy machine's burst on a healthy
-                # rank spikes in either
+                # step's compute, under the 1.5x spike, its forward 2.4x), in a log of its own per phase: healthy
+                # ranks spike so in 0.2 % of their steps (50 clean CPU runs), far rarer than whole-step spikes, and
+                # a fault every Nth step is in one place, where a busy machine's burst on a healthy rank is in either
                 log = f"{PHASE_LOG}:{self.phases.spikes[r].phase}"
                 self._flag_log.setdefault(log, {}).setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
                 f = self._intermittent(r, metric, len(samples), log, PHASE_INTERMITTENT_MIN)
