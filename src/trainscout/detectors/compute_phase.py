@@ -21,6 +21,9 @@ balance of phases moved too:
   two ranks slow together for a shared cause);
 - the excess at least `abs_s` and `wall_rel` of the step's wall time, in seconds.
 
+A single step whose one phase is SPIKE_REL over its peers' (at SPIKE_Z, the same balance and floor) is a phase
+spike: straggler.py looks for a period in each rank's spikes of one phase (a busy loop every Nth step).
+
 On CUDA steps the phases are GPU spans (events on the training stream at each forward's start and backward's
 call; the compute is the span to the end of backward), less the collectives waited for inside them; straggler.py
 does not judge those yet (not measured on clean CUDA jobs).
