@@ -39,8 +39,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainscout.consensus import vote_against_peers
+from trainscout.consensus.leave_one_out import median
+
+if TYPE_CHECKING:  # types only: detectors take plain records and import no wire at run time
+    from trainscout.wire.messages import StepRecord
 
 
 @dataclass(frozen=True)
@@ -79,15 +84,15 @@ class PhaseWatch:
         self._windows: dict[int, deque] = {}
         self.spikes: dict[int, PhaseFlag] = {}  # the last step's: one phase SPIKE_REL over its peers' that step
 
-    def observe(self, recs: Mapping[int, object]) -> dict[int, PhaseFlag]:
+    def observe(self, recs: Mapping[int, StepRecord]) -> dict[int, PhaseFlag]:
         """One step's records (rank -> StepRecord): the ranks whose one phase stands out over the last `window`
         steps (and, in `spikes`, in this step alone)."""
         self.spikes = {}
         phases = {r: _phases(rec) for r, rec in recs.items()}
         if len(phases) < 3 or any(p is None for p in phases.values()):
             return {}
-        fwd_mid = _median([p[0] for p in phases.values()])  # type: ignore[index]
-        rest_mid = _median([p[1] for p in phases.values()])  # type: ignore[index]
+        fwd_mid = median([p[0] for p in phases.values()])  # type: ignore[index]
+        rest_mid = median([p[1] for p in phases.values()])  # type: ignore[index]
         if fwd_mid <= 0 or rest_mid <= 0:
             return {}
         now = {}
@@ -97,14 +102,14 @@ class PhaseWatch:
             if w is None:
                 w = self._windows[r] = deque(maxlen=self.rule.window)
             w.append(now[r])
-        wall = _median([getattr(rec, "wall_s", 0.0) for rec in recs.values()])
+        wall = median([rec.wall_s for rec in recs.values()])
         floor_s = max(self.rule.abs_s, self.rule.wall_rel * wall)
         # a single step: its value is its own, no median to steady it, so only a clear spike counts
         self.spikes = self._standouts(now, SPIKE_REL, floor_s, SPIKE_Z)
         full = {r: w for r, w in self._windows.items() if r in phases and len(w) == self.rule.window}
         if len(full) < 3:
             return {}
-        levels = {r: tuple(_median([x[i] for x in w]) for i in range(4)) for r, w in full.items()}
+        levels = {r: tuple(median([x[i] for x in w]) for i in range(4)) for r, w in full.items()}
         return self._standouts(levels, self.rule.rel, floor_s)
 
     def _standouts(
@@ -123,32 +128,24 @@ class PhaseWatch:
                 if values[r] < (1 + rel / 2) * max(rest):
                     continue  # not clear of every rank the vote left
                 balance = levels[r][own] / max(levels[r][other], 1e-9)
-                peers = _median([lv[own] / max(lv[other], 1e-9) for q, lv in levels.items() if q != r])
+                peers = median([lv[own] / max(lv[other], 1e-9) for q, lv in levels.items() if q != r])
                 if balance < (1 + self.rule.imbalance) * peers:
                     continue  # slowed as a whole, in proportion: the machine's noise, or the whole-step rules'
                 excess_s = levels[r][own + 2]
                 if excess_s < floor_s:
                     continue
-                peer_level = _median(rest)
+                peer_level = median(rest)
                 ratio = values[r] / peer_level if peer_level > 0 else float("inf")
                 if r not in out or ratio > out[r].ratio:
                     out[r] = PhaseFlag(phase, ratio, excess_s)
         return out
 
 
-def _phases(rec) -> tuple[float, float] | None:
+def _phases(rec: StepRecord) -> tuple[float, float] | None:
     """(the forwards, the rest of the compute) of one step in the measure of its compute (CPU time, or on CUDA
     steps the GPU's span), or None where the forwards were not measured."""
-    fwd = getattr(rec, "fwd_s", -1.0)
-    gpu = getattr(rec, "gpu_s", -1.0)
-    total = getattr(rec, "cpu_s", -1.0) if gpu == -1.0 else gpu
-    if fwd < 0 or total <= 0:
+    total = rec.cpu_s if rec.gpu_s == -1.0 else rec.gpu_s
+    if rec.fwd_s < 0 or total <= 0:
         return None
-    fwd = min(fwd, total)  # the probe's own CPU inside a forward is taken from cpu_s only
+    fwd = min(rec.fwd_s, total)  # the probe's own CPU inside a forward is taken from cpu_s only
     return fwd, total - fwd
-
-
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    h = len(s) // 2
-    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2

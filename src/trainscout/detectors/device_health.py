@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from trainscout.consensus.robust import MAD_FLOOR_ABS, MAD_FLOOR_FRACTION, MAD_TO_SIGMA, median_mad
+from trainscout.consensus.leave_one_out import middle
 
 # Observation kinds (the coordinator files them as "health" findings with this as their type).
 SM_CLOCK_LOW = "sm_clock_low"
@@ -682,7 +683,7 @@ def _window_stats(values: list[float]) -> tuple[float, float, float] | None:
     ok = sorted(float(v) for v in values if v >= 0)
     if not ok or 2 * len(ok) < len(values):
         return None
-    return _middle(ok), ok[0], ok[-1]
+    return middle(ok), ok[0], ok[-1]
 
 
 def _median_valid(values: Iterable[float]) -> float | None:
@@ -691,13 +692,7 @@ def _median_valid(values: Iterable[float]) -> float | None:
     ok = sorted(float(v) for v in values if v >= 0)
     if not ok or 2 * len(ok) < len(values):
         return None
-    return _middle(ok)
-
-
-def _middle(s: list[float]) -> float:
-    """The median of a sorted, non-empty list (statistics.median costs more than the work here)."""
-    h = len(s) // 2
-    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
+    return middle(ok)
 
 
 def _sum_valid(*counters: int) -> int:

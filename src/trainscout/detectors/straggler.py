@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from trainscout.consensus import vote_against_peers, vote_statistical
+from trainscout.consensus.leave_one_out import median, middle
 from trainscout.detectors.comm_straggler import CommStragglerWatch
 from trainscout.detectors.compute_phase import PHASE, PhaseFlag, PhaseWatch
 from trainscout.detectors.interface import DetectorBase, JobView, Judgement, LinkProbe
@@ -359,7 +360,7 @@ class StragglerDetector(DetectorBase):
             spikes = set(spike.outliers) if spike.status == "attributed" else set()
         # Compute: each step's value over that step's median, so what the whole machine does at that
         # moment (a noisy neighbour, a hog) cancels; the absolute margin is scaled the same way.
-        level = _median(samples.values()) if metric.label == "compute" else 0.0
+        level = median(samples.values()) if metric.label == "compute" else 0.0
         if level > 0:
             windowed = self._windowed({r: x / level for r, x in samples.items()}, metric)
             abs_margin = metric.abs_s / level
@@ -419,10 +420,10 @@ class StragglerDetector(DetectorBase):
         phase, its balance of phases moved with it (compute_phase.py), its peers waiting for it."""
         flags = self.phases.observe(recs)
         kept = self._arrive_last(set(flags), PHASE.window)
-        out = []
+        out: list[Finding] = []
+        if step <= WARMUP_STEPS:
+            return out, bool(kept)
         for r in recs:
-            if step <= WARMUP_STEPS:
-                continue
             hit = r in kept
             if hit:
                 self._phase_last[r] = flags[r]
@@ -451,7 +452,7 @@ class StragglerDetector(DetectorBase):
             w = self._windows.setdefault((r, metric.label), deque(maxlen=self.window))
             w.append(x)
             if len(w) == self.window:
-                windowed[r] = _median(w)
+                windowed[r] = median(w)
         return windowed
 
     def _judge_fine(
@@ -471,7 +472,7 @@ class StragglerDetector(DetectorBase):
         tier, FINE_WINDOW; the mid tier, MID_WINDOW)."""
         medians = self._fine if medians is None else medians
         flags = self._fine_flags if flags is None else flags
-        median_now = _median(samples.values())
+        median_now = median(samples.values())
         if median_now <= 0:
             return [], False
         norm = {}
@@ -746,15 +747,4 @@ class _SlidingMedian:
         return len(self.values) == self.values.maxlen
 
     def median(self) -> float:
-        return _middle(self.sorted)
-
-
-def _median(values) -> float:
-    """statistics.median's result without its per-call overhead (the detector takes several per step)."""
-    return _middle(sorted(values))
-
-
-def _middle(s: list[float]) -> float:
-    """The median of an already sorted, non-empty list."""
-    h = len(s) // 2
-    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
+        return middle(self.sorted)

@@ -42,7 +42,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from trainscout.consensus.leave_one_out import max_without, median_without
+from trainscout.consensus.leave_one_out import max_without, median, median_without
 from trainscout.detectors.periodicity import LOOKBACK, beyond_chance, intermittent_period
 from trainscout.findings import STRAGGLER, Finding
 
@@ -263,22 +263,22 @@ class PartWatch:
             if p.noise_floor:
                 self._recent.setdefault(r, deque(maxlen=NOISE_STEPS)).append(v)
         # a usual step's wall time: the spike's own step is as long for every rank (they waited for it)
-        out = self._spike(step, values, _median(self._walls))
+        out = self._spike(step, values, median(self._walls))
         if p.duty_window:
-            out += self._judge_duty(step, set(values), _median(self._walls))
-        windowed = {r: _median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
+            out += self._judge_duty(step, set(values), median(self._walls))
+        windowed = {r: median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
         # a suspect's own level may be a low order statistic (high in nearly every step); its peers' stays their
         # median: a steady rank beside peers whose values scatter both ways is not higher than they are
         own = {r: _level(self._windows[r], p.low) for r in windowed}
         if len(windowed) < 3:
             return out
-        centre = _median(windowed.values())
-        spread = _median(abs(v - centre) for v in windowed.values())
-        sigma = MAD_TO_SIGMA * _median(self._spread) if len(self._spread) >= p.window else 0.0
+        centre = median(windowed.values())
+        spread = median(abs(v - centre) for v in windowed.values())
+        sigma = MAD_TO_SIGMA * median(self._spread) if len(self._spread) >= p.window else 0.0
         self._spread.append(spread)
         if step <= WARMUP_STEPS or len(self._spread) < p.window:
             return out
-        level = _median(self._walls)
+        level = median(self._walls)
         flagged = set()
         ordered = sorted(windowed.values())  # each rank's peers are all but itself: read off one sorted copy
         waits: dict[int, float] | None = None
@@ -292,7 +292,7 @@ class PartWatch:
                 continue  # its peers' own steps commonly reach this level
             if p.arrival:
                 if waits is None:
-                    waits = {q: _median(self._waits[q]) for q in windowed}
+                    waits = {q: median(self._waits[q]) for q in windowed}
                     waits_ordered = sorted(waits.values())
                 if waits[r] > median_without(waits_ordered, waits[r]):
                     continue  # its peers do not wait for it
@@ -372,9 +372,9 @@ class PartWatch:
             parts[r] = [sum(values[i * size : (i + 1) * size]) / size for i in range(DUTY_PARTS)]
             waits[r] = sum(x for _, x in w) / len(w)
         ordered = sorted(means.values())
-        centre = _median(ordered)
-        spread = _median(abs(v - centre) for v in ordered)
-        sigma = MAD_TO_SIGMA * _median(self._duty_spread) if len(self._duty_spread) >= p.window else 0.0
+        centre = median(ordered)
+        spread = median(abs(v - centre) for v in ordered)
+        sigma = MAD_TO_SIGMA * median(self._duty_spread) if len(self._duty_spread) >= p.window else 0.0
         self._duty_spread.append(spread)
         if step <= WARMUP_STEPS + p.duty_window or len(self._duty_spread) < p.window:
             return []
@@ -481,10 +481,4 @@ class PartWatch:
 
 
 def _level(window, low: int) -> float:
-    return _median(window) if low < 0 else sorted(window)[low]
-
-
-def _median(values) -> float:
-    s = sorted(values)
-    h = len(s) // 2
-    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
+    return median(window) if low < 0 else sorted(window)[low]
