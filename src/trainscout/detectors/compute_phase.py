@@ -75,6 +75,7 @@ class PhaseFlag:
     phase: str
     ratio: float
     excess_s: float
+    compute_ratio: float = 1.0  # its whole compute over its peers', over the same window
 
 
 class PhaseWatch:
@@ -95,9 +96,10 @@ class PhaseWatch:
         rest_mid = median([p[1] for p in phases.values()])  # type: ignore[index]
         if fwd_mid <= 0 or rest_mid <= 0:
             return {}
+        total_mid = median([p[0] + p[1] for p in phases.values()])  # type: ignore[index]
         now = {}
         for r, (fwd, rest) in phases.items():  # type: ignore[misc]
-            now[r] = (fwd / fwd_mid, rest / rest_mid, fwd - fwd_mid, rest - rest_mid)
+            now[r] = (fwd / fwd_mid, rest / rest_mid, fwd - fwd_mid, rest - rest_mid, (fwd + rest) / total_mid)
             w = self._windows.get(r)
             if w is None:
                 w = self._windows[r] = deque(maxlen=self.rule.window)
@@ -109,7 +111,7 @@ class PhaseWatch:
         full = {r: w for r, w in self._windows.items() if r in phases and len(w) == self.rule.window}
         if len(full) < 3:
             return {}
-        levels = {r: tuple(median([x[i] for x in w]) for i in range(4)) for r, w in full.items()}
+        levels = {r: tuple(median([x[i] for x in w]) for i in range(5)) for r, w in full.items()}
         return self._standouts(levels, self.rule.rel, floor_s)
 
     def _standouts(
@@ -137,7 +139,8 @@ class PhaseWatch:
                 peer_level = median(rest)
                 ratio = values[r] / peer_level if peer_level > 0 else float("inf")
                 if r not in out or ratio > out[r].ratio:
-                    out[r] = PhaseFlag(phase, ratio, excess_s)
+                    whole = median([lv[4] for q, lv in levels.items() if q != r])
+                    out[r] = PhaseFlag(phase, ratio, excess_s, levels[r][4] / whole if whole > 0 else float("inf"))
         return out
 
 

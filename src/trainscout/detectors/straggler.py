@@ -428,7 +428,9 @@ class StragglerDetector(DetectorBase):
             if hit:
                 self._phase_last[r] = flags[r]
             hist = self._phase_flags.setdefault(r, deque(maxlen=PHASE.m))
-            if not _record(hist, (step, hit, flags[r].ratio if hit else 1.0)):
+            # the finding's ratio is its whole compute over its peers' (what they wait for), as every compute
+            # finding's; the phase's own ratio goes beside it
+            if not _record(hist, (step, hit, flags[r].compute_ratio if hit else 1.0)):
                 continue
             f = self._persistent(
                 r, metric, hist, PHASE.k, f"phase: {PHASE.window}-step medians of one phase's CPU time"
@@ -437,11 +439,12 @@ class StragglerDetector(DetectorBase):
                 continue
             last = self._phase_last[r]
             f.summary = (
-                f"rank {r} is a compute straggler: its {last.phase} takes {f.evidence['ratio']:.2f}x the CPU time of "
-                f"its peers' (+{last.excess_s * 1e3:.1f} ms a step; {len(f.evidence['flagged_steps'])} of the last "
-                f"{len(hist)} steps), the rest of its step as theirs; its peers wait for it"
+                f"rank {r} is a compute straggler: its {last.phase} takes {last.ratio:.2f}x the CPU time of its peers' "
+                f"(+{last.excess_s * 1e3:.1f} ms a step, {f.evidence['ratio']:.2f}x its whole compute; "
+                f"{len(f.evidence['flagged_steps'])} of the last {len(hist)} steps), the rest of its step as theirs; "
+                "its peers wait for it"
             )
-            f.evidence.update(phase=last.phase, excess_s=round(last.excess_s, 6))
+            f.evidence.update(phase=last.phase, phase_ratio=round(last.ratio, 3), excess_s=round(last.excess_s, 6))
             out.append(f)
         return out, bool(kept)
 
