@@ -46,8 +46,9 @@ def test_a_rank_burning_cpu_in_a_forward_is_named_by_that_phase(tmp_path):
     assert result.returncode == 0, result.describe()
     (f,) = [f for f in result.findings if f["kind"] == "straggler"]
     assert (f["culprit_ranks"], f["evidence"]["type"], f["evidence"]["phase"]) == ([2], "compute", "forward")
-    # +7..+9 on a quiet machine; the latency bar is measured in benchmarks/, this is room for a loaded one
-    assert f["step"] - 30 <= 20, result.describe()
+    # +7..+9 on a quiet machine, +21 once on the CI machine; the latency bar is measured in benchmarks/, this is
+    # room for a loaded one
+    assert f["step"] - 30 <= 30, result.describe()
     assert _blamed(result) == {2}, result.describe()
 
 

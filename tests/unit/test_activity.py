@@ -130,7 +130,8 @@ def _poll_logging(stop):
 
 def test_a_training_thread_working_on_its_own_moves_and_a_stuck_one_does_not():
     # work of its own between collectives: computing in varied code, or reading and writing bytes
-    assert _moves_while(_tokenize) >= 2
+    # (a single stack a look read it as moving in 4-7 of 8 looks; four looks missed in a row make a hang finding)
+    assert _moves_while(_tokenize) >= 7
     assert _moves_while(_write) >= 6
     # asleep (or blocked), spinning on one line, polling for something that never comes: no move
     assert _moves_while(_sleep) == 0

@@ -23,7 +23,9 @@ objects of its frames) changed while it computed (its own CPU time grew by a ten
 rank asleep, blocked on a lock or a dead socket, spinning in one function (CPU, one stack), or polling for
 something that never comes (a changing stack, no CPU, a log line at most) is named as before. (A look lands where
 the training thread lets go of the GIL, in a tight loop always at the same place: a loop over a few lines of one
-function reads as a spin.) A look costs ~20 us a tick (the one after progress takes the baseline).
+function reads as a spin; while the thread computes, a look therefore takes three more stacks 2 ms apart, each
+after letting it run.) A look costs ~20 us a tick (the one after progress takes the baseline), plus three GIL
+hand-overs while the rank computes a whole tick without a collective.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from trainscout.markers import BUSY_ACTIVE, BUSY_COMPILE, BUSY_IDLE
 # I/O since the last look that counts as moving: a download or a cache written, not a warning printed by a loop
 # waiting for something that never comes
 MOVING_IO_BYTES = 64 * 1024
+# stacks taken after the first, while the thread computes: a tokenizing loop read as moving in 65 % of single looks
+# (so 4 looks in a row, 2 s, missed it 1-2 % of the time: rank 0 preparing data alone was named a hang)
+MORE_LOOKS, MORE_LOOKS_GAP_S = 3, 0.002
 
 
 class Activity:
@@ -64,18 +69,34 @@ class Activity:
     def look(self, progress_ns: int) -> None:
         """Publisher thread, each tick: while progress_ns stays put, note when the training thread moves on its own."""
         now = time.monotonic_ns()
-        seen = (_code_stack(sys._current_frames().get(self.thread)), _io_bytes(self._native), _cpu_ns(self.thread), now)
-        last, self._seen = self._seen, seen
+        stacks = [self._stack()]
+        io, cpu = _io_bytes(self._native), _cpu_ns(self.thread)
+        last, self._seen = self._seen, (stacks[0], io, cpu, now)
         self.blocked = False
         if progress_ns != self._progress_seen:  # it issued a collective since: this look is the new baseline (taken
             self._progress_seen = progress_ns  # now, not a tick later: work begun alone shows at the next tick)
             return
         if last is None:
             return
-        computed = seen[2] - last[2] >= (now - last[3]) // 10
-        self.blocked = not computed and seen[0] == last[0] and seen[1] - last[1] < MOVING_IO_BYTES
-        if seen[1] - last[1] >= MOVING_IO_BYTES or computed and seen[0] != last[0]:
+        computed = cpu - last[2] >= (now - last[3]) // 10
+        if computed:  # a look lands where the thread lets go of the GIL, in a working loop often the same place
+            stacks += self._more_stacks()  # twice running: a few more, each after letting it run, before a spin
+            self._seen = (stacks[-1], io, cpu, now)
+        changed = any(stack != last[0] for stack in stacks)
+        self.blocked = not computed and not changed and io - last[1] < MOVING_IO_BYTES
+        if io - last[1] >= MOVING_IO_BYTES or computed and changed:
             self._set("moving_ns", now)
+
+    def _stack(self) -> tuple[int, ...]:
+        return _code_stack(sys._current_frames().get(self.thread))
+
+    def _more_stacks(self) -> list[tuple[int, ...]]:
+        """MORE_LOOKS stacks of the training thread, each taken after sleeping (the GIL released) for it to run on."""
+        more = []
+        for _ in range(MORE_LOOKS):
+            time.sleep(MORE_LOOKS_GAP_S)
+            more.append(self._stack())
+        return more
 
     def enter(self, what: int) -> bool:
         """Begin a save or compilation; False when one is already in progress (only the outermost counts)."""
