@@ -65,6 +65,33 @@ def test_a_rank_blocked_ten_percent_of_a_step_is_named_within_ten_steps(seed):
     assert found[0].step - 100 <= 10 and 0.003 < found[0].evidence["excess_s"] < 0.005
 
 
+SIX = tuple(range(6))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_ranks_of_six_blocked_together_are_each_named(seed):
+    # two ranks of a slow node, or reading from one slow disk: a strict minority, each clear of the rest
+    found = _feed(range(1, 200), lambda r, s: 0.006 if r in (1, 4) and s >= 100 else 0.0, seed=seed, world=SIX)
+    assert sorted((f.culprit_ranks, f.evidence["type"]) for f in found) == [([1], "blocked"), ([4], "blocked")]
+    assert all(f.step - 100 <= 10 for f in found)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_half_of_the_ranks_blocked_together_is_no_minority(seed):
+    # three of six blocked: no strict majority agrees on who is slow, so nobody is named
+    assert _feed(range(1, 200), lambda r, s: 0.006 if r in (0, 2, 4) and s >= 100 else 0.0, seed=seed, world=SIX) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_ranks_of_four_blocked_together_are_no_minority(seed):
+    assert _feed(range(1, 200), lambda r, s: 0.006 if r in (1, 2) and s >= 100 else 0.0, seed=seed) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_healthy_six_ranks_on_a_busy_machine_give_nothing(seed):
+    assert _feed(range(1, 400), lambda r, s: 0.0, seed=seed, world=SIX) == []
+
+
 def test_a_rank_blocked_every_sixth_step_is_an_intermittent_straggler_within_three_occurrences():
     found = _feed(range(1, 200), lambda r, s: 0.4 if r == 1 and s >= 100 and (s - 100) % 6 == 0 else 0.0)
     assert [(f.culprit_ranks, f.evidence["type"], f.evidence.get("period")) for f in found] == [([1], "blocked", 6)]

@@ -17,7 +17,9 @@ Per step, each rank's level over its last `window` steps (their median, or for t
 second-smallest value: blocked in nearly every step) is compared with the median of its peers' medians
 (leave-one-out): the excess must be at least `abs_s` AND `rel` of the step's wall time AND `z` times the
 class's usual spread of those medians (median absolute deviation across ranks, over the last SPREAD_STEPS
-evaluations) AND stand clear of every other rank (two ranks slow together share a cause) AND its peers
+evaluations) AND stand clear of every other rank (two ranks slow together share a cause), except in the quiet
+parts (blocked, data), where ranks over their peers together, a strict minority, are each named if clear of the
+ranks not over (two ranks of six on a slow node or disk, each 5 ms over: both named +7..+12) AND its peers
 must wait for it (its collective wait over the window is no longer than its peers' median; for the blocked
 part, whose healthy values are steady, this is not asked: a rank's wait swings by tens of milliseconds a step
 on a busy machine, which delayed a 4 ms straggler's verdict by 8 steps, and time blocked outside collectives
@@ -95,6 +97,11 @@ class Part:
     # a level, or a single step, that its peers' own steps commonly reach (their NOISE_QUANTILE over their
     # last NOISE_STEPS steps) is not an outlier, however the rank's few steps compare with its peers' medians
     noise_floor: bool = False
+    # several ranks over their peers together, a strict minority, each clear of the ranks not over, are each
+    # named (two ranks of a slow node, two ranks reading from one slow disk); False: an outlier must stand clear
+    # of every other rank. Only for parts that are quiet on healthy ranks: a busy core slows the ranks it
+    # holds together, and its run-queue delays are not a fault of theirs
+    minority: bool = False
 
 
 # Its level is the second-smallest of its last 6 steps, not their median: on a machine with more ranks than
@@ -118,6 +125,7 @@ BLOCKED = Part(
     duty_window=32,
     duty_rel=0.05,
     noise_floor=True,
+    minority=True,
 )
 # Several ranks on one GPU compete for it: which of them waits on its host for the GPU (a synchronising copy,
 # an allocation) is the GPU's scheduling, not a fault, and on the one-GPU machine with 4 ranks healthy ranks took
@@ -152,6 +160,7 @@ DATA = Part(
     intermittent_min=3,
     arrival=False,
     what="loading data (inside DataLoader iteration)",
+    minority=True,
 )
 # With worker processes (num_workers > 0) the rank waits for a worker's batch, and a worker is scheduled like
 # any process: with 4 ranks and their workers on 2 busy cores, healthy ranks waited 10-46 ms in about half the
@@ -282,13 +291,18 @@ class PartWatch:
         flagged = set()
         ordered = sorted(windowed.values())  # each rank's peers are all but itself: read off one sorted copy
         waits: dict[int, float] | None = None
-        for r, v in own.items():
-            excess = v - median_without(ordered, windowed[r])
-            if excess < max(p.abs_s, p.rel * level, p.z * max(sigma, 1e-4)):
-                continue
-            if v - max_without(ordered, windowed[r]) < excess / 2:
-                continue  # not clear of the rest: two ranks slow together share a cause
-            if v <= self._peers_floor(r):
+        threshold = max(p.abs_s, p.rel * level, p.z * max(sigma, 1e-4))
+        excesses = {r: v - median_without(ordered, windowed[r]) for r, v in own.items()}
+        over = {r for r, excess in excesses.items() if excess >= threshold}
+        # with `minority`, the ranks over their peers together, a strict minority, are each judged against the rest
+        together = over if p.minority and 1 < len(over) and 2 * len(over) < len(windowed) else set()
+        rest = sorted(v for q, v in windowed.items() if q not in together)
+        for r in over:
+            v, excess = own[r], excesses[r]
+            slowest_other = rest[-1] if together else max_without(ordered, windowed[r])
+            if v - slowest_other < excess / 2:
+                continue  # not clear of the rest: ranks slow together share a cause
+            if v <= self._peers_floor(r, together):
                 continue  # its peers' own steps commonly reach this level
             if p.arrival:
                 if waits is None:
@@ -308,15 +322,16 @@ class PartWatch:
                 out.append(f)
         return out
 
-    def _peers_recent(self, rank: int) -> list[float]:
-        """Its peers' values over their last NOISE_STEPS steps, pooled (noise_floor parts only)."""
-        return [v for q, d in self._recent.items() if q != rank for v in d]
+    def _peers_recent(self, rank: int, together: set[int] | frozenset[int] = frozenset()) -> list[float]:
+        """Its peers' values over their last NOISE_STEPS steps, pooled (noise_floor parts only), leaving out the
+        ranks over their peers with it."""
+        return [v for q, d in self._recent.items() if q != rank and q not in together for v in d]
 
-    def _peers_floor(self, rank: int) -> float:
+    def _peers_floor(self, rank: int, together: set[int] | frozenset[int] = frozenset()) -> float:
         """What its peers' single steps commonly reach (0 where the part asks for no floor, or too few steps)."""
         if not self.part.noise_floor:
             return 0.0
-        pooled = sorted(self._peers_recent(rank))
+        pooled = sorted(self._peers_recent(rank, together))
         if len(pooled) < NOISE_STEPS:
             return 0.0
         return pooled[min(len(pooled) - 1, int(NOISE_QUANTILE * len(pooled)))]
