@@ -80,7 +80,7 @@ class Activity:
             return
         computed = cpu - last[2] >= (now - last[3]) // 10
         if computed:  # a look lands where the thread lets go of the GIL, in a working loop often the same place
-            stacks += self._more_stacks()  # twice running: a few more, each after letting it run, before a spin
+            stacks += self._more_stacks()  # a few more, each after letting it run, before reading a spin
             self._seen = (stacks[-1], io, cpu, now)
         changed = any(stack != last[0] for stack in stacks)
         self.blocked = not computed and not changed and io - last[1] < MOVING_IO_BYTES
