@@ -74,7 +74,7 @@ class Run:
         low=0,
         low_open=True,
         flag="--stall-timeout",
-        doc="seconds a job-wide pause may last before a stall is reported",
+        doc="seconds a job-wide pause may last before a stall is reported (three times that before the first step)",
     )
     abort_on: str = setting(
         "",

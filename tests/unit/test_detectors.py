@@ -131,6 +131,20 @@ def test_stall_after_stall_timeout_blames_nobody():
     assert (s.finding.kind, s.finding.culprit_ranks, s.finding.status) == ("stall", [], "inconclusive")
 
 
+def test_a_job_quiet_before_its_first_step_is_starting_up_for_longer_before_a_stall():
+    # every rank loading a model or a dataset before the first step: not a stall at the stall timeout ...
+    starting = {r: obs(r, [pg(2)], progress_age=400.0, step=0) for r in WORLD}
+    assert HangDetector(hang_timeout_s=5.0, stall_timeout_s=300.0).update(100.0, starting) == []
+    # ... but at three times it, still blaming nobody
+    stuck = {r: obs(r, [pg(2)], progress_age=901.0, step=0) for r in WORLD}
+    (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=300.0).update(100.0, stuck)
+    assert (s.finding.kind, s.finding.culprit_ranks) == ("stall", [])
+    # one rank behind its peers at start-up is voted on as ever
+    behind = {r: obs(r, [pg(2 if r != 1 else 1)], progress_age=6.0, step=0) for r in WORLD}
+    (s,) = HangDetector(hang_timeout_s=5.0, stall_timeout_s=300.0).update(100.0, behind)
+    assert (s.finding.kind, s.finding.culprit_ranks) == ("hang", [1])
+
+
 def test_starved_probe_thread_is_reported_as_gil_or_frozen():
     ranks = {
         r: obs(r, [pg(45 if r != 3 else 40)], progress_age=6.0, heartbeat_age=6.0 if r == 3 else 0.1) for r in WORLD

@@ -7,7 +7,10 @@ one collective, the vote is on the furthest collective a strict majority has ent
 move on while its root waits). A rank behind in
 one group but ahead in another waits in a different group than its peers: a process-group desync.
 A job-wide pause (checkpoint save) leaves every member at the same sequence number: no finding, unless
-it lasts `stall_timeout_s`, and then the finding blames nobody. A job whose processes are stopped whole (most
+it lasts `stall_timeout_s`, and then the finding blames nobody. Before any rank finished its first step the job
+is starting (loading a model or a dataset, building indexes, every rank alike): a quiet start is a stall only
+after STARTUP_STALL_FACTOR times as long (a 4-rank job under heavy load spent 12 s between init_process_group
+and DDP's constructor, past a 10 s stall timeout). A job whose processes are stopped whole (most
 ranks' probe threads silent too: SIGSTOP of the job, a suspended job, a paused VM) is not voted on: the stop
 catches ranks wherever they were, and those caught in their compute would look like the culprits.
 
@@ -33,6 +36,7 @@ from trainscout.markers import BUSY_ACTIVE, BUSY_WHAT, PROBE_GROUP_ROLE
 HANG_TIMEOUT_S, STALL_TIMEOUT_S = RUN.hang_timeout, RUN.stall_timeout
 # a rank whose training thread keeps working between collectives (probe/activity.py: look)
 OWN_CODE = "running code of its own"
+STARTUP_STALL_FACTOR = 3.0  # before the first step: the stall timeout, this many times over
 
 
 @dataclass
@@ -133,7 +137,8 @@ class HangDetector(DetectorBase):
             if stuck_gpu:
                 self._reported_this_quiet = True
                 return [Suspect(self._gpu_blame(now, live, stuck_gpu, quiet), stuck_gpu)]
-            if quiet >= self.stall_timeout_s:
+            started = any(o.state.step > 0 for o in live.values())
+            if quiet >= self.stall_timeout_s * (1.0 if started else STARTUP_STALL_FACTOR):
                 if self._outlived(ranks, live):  # most ranks ended: those left are stuck or still finishing
                     left = self._left_behind(now, live)
                     self._reported_this_quiet = bool(left)
