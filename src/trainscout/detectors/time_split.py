@@ -296,10 +296,10 @@ class PartWatch:
         over = {r for r, excess in excesses.items() if excess >= threshold}
         # with `minority`, the ranks over their peers together, a strict minority, are each judged against the rest
         together = over if p.minority and 1 < len(over) and 2 * len(over) < len(windowed) else set()
-        rest = sorted(v for q, v in windowed.items() if q not in together)
+        slowest_rest = max(v for q, v in windowed.items() if q not in together) if together else 0.0
         for r in over:
             v, excess = own[r], excesses[r]
-            slowest_other = rest[-1] if together else max_without(ordered, windowed[r])
+            slowest_other = slowest_rest if together else max_without(ordered, windowed[r])
             if v - slowest_other < excess / 2:
                 continue  # not clear of the rest: ranks slow together share a cause
             if v <= self._peers_floor(r, together):
