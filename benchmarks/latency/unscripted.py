@@ -55,6 +55,7 @@ CASES: dict[str, tuple[str, str, int, bool]] = {
     "a: busy 2x": ("delay:how=busy:ms={twice}", "straggler", 160, False),
     "a: busy 10%": ("delay:how=busy:ms={ten}", "straggler", 300, False),
     "a: gpu spin 2x": ("delay:how=gpu:ms={twice}", "straggler", 160, False),
+    "a: gpu spin 10%": ("delay:how=gpu:ms={ten}", "straggler", 200, False),
     "b: sleep 10x every 6th": ("delay:how=sleep:ms={tenfold}:every=6", "straggler", 200, False),
     "b: sleep 10% every 6th": ("delay:how=sleep:ms={ten}:every=6", "straggler", 300, False),
     "b: sleep 2x every 6th": ("delay:how=sleep:ms={twice}:every=6", "straggler", 250, False),

@@ -257,6 +257,25 @@ def test_a_small_block_every_sixth_step_is_named_at_its_fifth_exactly_regular_oc
     assert found[0].evidence["intermittent"] is True and found[0].step == 124
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_regular_block_on_a_rank_its_peers_did_not_wait_for_is_no_intermittent_straggler(seed):
+    """A healthy rank of a clean job on a busy machine blocked 2.5-4 ms at steps 215, 218, 221, 224: exactly
+    regular and rarer than its peers' spikes, but in those steps it had the core to itself (no run-queue delay)
+    and still waited longer than they did: they were not waiting for it, and it must not be named."""
+    hits = {215, 218, 221, 224}
+    rng = random.Random(seed)
+    det, found = StragglerDetector(), []
+    for s in range(1, 260):
+        for r in WORLD:
+            cpu = 0.012 * (1 + rng.uniform(-0.1, 0.1))
+            mine = r == 1 and s in hits
+            runq = 0.0 if mine else rng.uniform(0.005, 0.03)
+            off = 0.0035 if mine else 0.0
+            det.add(r, [_record(s, 0.040, cpu, max(0.0, 0.040 - cpu - runq - off), runq)], 0.0)
+        found += det.update(0.0, set(WORLD))
+    assert found == []
+
+
 def test_a_small_block_too_rare_to_cost_the_job_anything_is_not_named():
     """4.5 ms of a 40 ms step at exactly every 30th step (a clean library job's healthy rank showed that every
     23rd of its 70 ms steps): 0.4 % of the job's time; the same block every 6th step (1.9 %) is named."""

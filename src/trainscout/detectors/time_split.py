@@ -62,6 +62,11 @@ DUTY_PART_SHARE = 0.5
 # at steps 23, 69, 92, 115 (0.3 % of the job's time) by itself; 10 % of a step every 6th step costs 1.7 %.
 SMALL_INTERMITTENT_MIN_COST = 0.005
 SPIKE_LOG = 256  # each rank's spikes kept for its peers' base rate (periodicity.peers_rate)
+# An intermittent finding says its peers wait for the rank: in at least this share of its progression's steps
+# it waited no longer than the median of its peers (it arrived late). A healthy rank of a clean-running job on
+# a busy 2-core machine blocked 2.5-4 ms at steps 215, 218, 221, 224 (an exact progression at chance 2e-7 by
+# its peers' rate), yet waited longer than its peers' median in two of the four: it was not the one they waited for.
+WAITED_SHARE = 0.75
 # Blocked time is steady near zero on healthy DDP ranks, but in an FSDP2 job on a busy CPU machine (11 collectives
 # a step, gloo's threads competing for the cores) every rank's swings 0-30 ms from step to step: a healthy rank
 # whose 6 steps happened to sit at 9-14 ms was named (2 of 5 clean 4-rank runs, one as "every 8 steps").
@@ -244,6 +249,7 @@ class PartWatch:
         # rate its peers spike at (base rate)
         self._spike_log: dict[int, deque] = {}
         self._small_log: dict[int, deque] = {}
+        self._late: dict[int, dict[int, bool]] = {}  # rank -> {its spike steps: it waited no longer than its peers}
         self._first_step = -1  # the first step judged for spikes (the base rate's window starts there at most)
         self._reported: set[tuple[int, str]] = set()
         self._duty: dict[int, deque] = {}  # (value, wait) per step over the duty window
@@ -272,7 +278,7 @@ class PartWatch:
             if p.noise_floor:
                 self._recent.setdefault(r, deque(maxlen=NOISE_STEPS)).append(v)
         # a usual step's wall time: the spike's own step is as long for every rank (they waited for it)
-        out = self._spike(step, values, median(self._walls))
+        out = self._spike(step, values, median(self._walls), {r: recs[r].wait_s for r in values})
         if p.duty_window:
             out += self._judge_duty(step, set(values), median(self._walls))
         windowed = {r: median(w) for r, w in self._windows.items() if r in values and len(w) == p.window}
@@ -436,7 +442,7 @@ class PartWatch:
             )
         return out
 
-    def _spike(self, step: int, values: dict[int, float], wall: float) -> list[Finding]:
+    def _spike(self, step: int, values: dict[int, float], wall: float, waits: dict[int, float]) -> list[Finding]:
         p = self.part
         if step <= WARMUP_STEPS or p.intermittent_min > LOOKBACK:
             return []
@@ -444,12 +450,17 @@ class PartWatch:
             self._first_step = step - 1
         out = []
         ordered = sorted(values.values())
+        waits_ordered = sorted(waits.values())
         for r, v in values.items():
             excess = v - median_without(ordered, v)
             if v - max_without(ordered, v) < excess / 2 or excess < max(p.abs_s, p.rel * wall):
                 continue
             big = excess >= max(p.spike_abs_s, p.spike_rel * wall)
             self._small_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
+            late = self._late.setdefault(r, {})
+            late[step] = waits[r] <= median_without(waits_ordered, waits[r])
+            if len(late) > SPIKE_LOG:
+                del late[min(late)]
             if big:
                 self._spike_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
@@ -470,6 +481,8 @@ class PartWatch:
                 found, self._peers_reaching(r, v), min(len(log[r]), LOOKBACK), exact
             ):
                 continue  # its peers' own steps reach this often enough to line up by chance
+            if sum(late.get(s, True) for s in found.hits) < WAITED_SHARE * len(found.hits):
+                continue  # not the rank its peers waited for in those steps
             self._reported.add((r, "intermittent"))
             recent = found.hits[-need:]
             out.append(
