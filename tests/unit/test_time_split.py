@@ -259,9 +259,9 @@ def test_a_small_block_every_sixth_step_is_named_at_its_fifth_exactly_regular_oc
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_regular_block_on_a_rank_its_peers_did_not_wait_for_is_no_intermittent_straggler(seed):
-    """A healthy rank of a clean job on a busy machine blocked 2.5-4 ms at steps 215, 218, 221, 224: exactly
-    regular and rarer than its peers' spikes, but in those steps it had the core to itself (no run-queue delay)
-    and still waited longer than they did: they were not waiting for it, and it must not be named."""
+    """A healthy rank on a busy machine (the job's fault was on another rank) blocked 2.5-4 ms at steps 215, 218,
+    221, 224: exactly regular and rarer than its peers' spikes, but in those steps it had the core to itself (no
+    run-queue delay) and still waited longer than they did: they were not waiting for it, and it must not be named."""
     hits = {215, 218, 221, 224}
     rng = random.Random(seed)
     det, found = StragglerDetector(), []

@@ -63,9 +63,10 @@ DUTY_PART_SHARE = 0.5
 SMALL_INTERMITTENT_MIN_COST = 0.005
 SPIKE_LOG = 256  # each rank's spikes kept for its peers' base rate (periodicity.peers_rate)
 # An intermittent finding says its peers wait for the rank: in at least this share of its progression's steps
-# it waited no longer than the median of its peers (it arrived late). A healthy rank of a clean-running job on
-# a busy 2-core machine blocked 2.5-4 ms at steps 215, 218, 221, 224 (an exact progression at chance 2e-7 by
-# its peers' rate), yet waited longer than its peers' median in two of the four: it was not the one they waited for.
+# it waited no longer than the median of its peers (it arrived late). A healthy rank of a 4-rank job on a busy
+# 2-core machine (the fault was on another rank) blocked 2.5-4 ms at steps 215, 218, 221, 224 (an exact progression
+# at chance 2e-7 by its peers' rate), yet waited longer than its peers' median in two of the four: it was not the
+# one they waited for.
 WAITED_SHARE = 0.75
 # Blocked time is steady near zero on healthy DDP ranks, but in an FSDP2 job on a busy CPU machine (11 collectives
 # a step, gloo's threads competing for the cores) every rank's swings 0-30 ms from step to step: a healthy rank
@@ -460,7 +461,7 @@ class PartWatch:
             late = self._late.setdefault(r, {})
             late[step] = waits[r] <= median_without(waits_ordered, waits[r])
             if len(late) > SPIKE_LOG:
-                del late[min(late)]
+                del late[next(iter(late))]  # the oldest: steps come in order
             if big:
                 self._spike_log.setdefault(r, deque(maxlen=SPIKE_LOG)).append(step)
             if (r, "intermittent") in self._reported or (r, "persistent") in self._reported:
